@@ -1,0 +1,201 @@
+"""The public API: load(), generate(), stream()."""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .ar import decode_ar
+from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
+from .drafters import PdmDrafter
+from .engine import SPDEngine
+from .pdm import DraftConfig, DraftHead, init_from_target, load_draft
+from .runtime import Prompt, Target, load_target, parse_dtype
+from .sampling import SamplingParams, make_generator
+
+HEADS_DIR = Path(__file__).parent / "heads"
+METHODS = ("spd", "ar")
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finished_by_eos: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def shipped_head(target: Target, num_stages: int) -> Path | None:
+    """The head shipped in spd_fast/heads/ for this model's weights and n, if there is one."""
+    if not HEADS_DIR.is_dir():
+        return None
+    for d in sorted(HEADS_DIR.iterdir()):
+        cfg = d / "draft_config.json"
+        if cfg.is_file():
+            dc = DraftConfig.from_json(cfg.read_text())
+            if dc.base_fingerprint == target.fingerprint and dc.num_stages == num_stages:
+                return d
+    return None
+
+
+class Engine:
+    """A loaded target model plus a draft head for one pipeline shape; reusable across calls."""
+
+    def __init__(self, target: Target, head: DraftHead | None, boundaries: tuple[int, ...], max_len: int,
+                 draft_source: str):
+        self.target, self.head, self.boundaries = target, head, boundaries
+        self.num_stages = len(boundaries) - 1
+        self.max_len = max_len
+        self.draft_source = draft_source
+        target.model.setup_caches(1, max_len)
+        anchors = head.dcfg.anchors if head is not None else None
+        self.spd = SPDEngine(target.model, PdmDrafter(head), boundaries, anchors) if head is not None else None
+
+    # -- one prompt -------------------------------------------------------------------------------
+    def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
+                ) -> Iterator[int]:
+        gen = make_generator(params, self.target.model.device)
+        if method == "ar":
+            res_holder: dict[str, Any] = {}
+            toks: list[int] = []
+            res = decode_ar(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen,
+                            on_token=toks.append)
+            res_holder["m"] = res
+            self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
+                                                  "decode_seconds": res.decode_seconds,
+                                                  "new_tokens": float(len(res.token_ids))})
+            yield from toks
+            return
+        if self.spd is None:
+            raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
+        yield from self.spd.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+        self._last = (self.spd.last_finished_by_eos, dict(self.spd.last_metrics))
+
+    def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd"
+                 ) -> GenerationOutput | list[GenerationOutput]:
+        prompts, single = _as_batch(prompt)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        _check_method(method)
+        outs = []
+        for p in prompts:
+            ids = self.target.encode(p)
+            toks = list(self._tokens(ids, max_new_tokens, params, method))
+            finished, metrics = self._last
+            metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0
+            outs.append(GenerationOutput(self.target.decode(toks), toks, len(ids), finished, metrics))
+        return outs[0] if single else outs
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, method: str = "spd") -> Iterator[str]:
+        """Yield verified text as it is committed (held back while a multi-byte character is incomplete)."""
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        _check_method(method)
+        ids = self.target.encode(prompt)
+        toks: list[int] = []
+        shown = ""
+        for t in self._tokens(ids, max_new_tokens, params, method):
+            toks.append(t)
+            text = self.target.decode(toks)
+            if text.endswith("\ufffd"):
+                continue
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown):]
+            shown = text
+        self.last_metrics = self._last[1]
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise SpdConfigError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
+    if isinstance(prompt, str):
+        return [prompt], True
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise SpdConfigError("the prompt is empty; pass a string, a list of chat messages or a list of prompts")
+        if all(isinstance(m, dict) for m in prompt):
+            return [prompt], True
+        if all(isinstance(p, (str, list, tuple)) for p in prompt):
+            return list(prompt), False
+    raise SpdConfigError(
+        f"prompt must be a str, a list of {{'role', 'content'}} dicts, or a list of those; got {type(prompt).__name__}")
+
+
+def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int = 3,
+         boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
+         dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
+         progress: bool = True) -> Engine:
+    """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
+    else a random head with a warning), or "random" (a seeded random head of the right shape)."""
+    if device != "cpu" and not torch.cuda.is_available():
+        raise SpdConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use device='cpu'")
+    target = load_target(model, parse_dtype(dtype), device, progress=progress)
+    L = target.cfg.num_layers
+    if boundaries is not None:
+        b = validate_boundaries(tuple(boundaries), L)
+        num_stages = len(b) - 1
+    else:
+        validate_num_stages(L, num_stages)
+        b = uniform_boundaries(L, num_stages)
+    if not isinstance(max_len, int) or max_len < 8:
+        raise SpdConfigError(f"max_len must be an integer >= 8, got {max_len!r}")
+    net = target.model
+    source = str(draft)
+    if draft is None:
+        found = shipped_head(target, num_stages)
+        if found is None:
+            warnings.warn(f"no shipped draft head for this model at num_stages={num_stages}; using a random head "
+                          "(output is still exact, but few drafts will be accepted)", stacklevel=2)
+            draft = "random"
+        else:
+            draft, source = found, f"shipped:{found.name}"
+    if draft == "random":
+        dcfg = DraftConfig.make(net.cfg, b, anchors, draft_layers, fingerprint=target.fingerprint)
+        head = init_from_target(DraftHead(dcfg, net.cfg, net.norm), net, seed).to(net.dtype).eval()
+        head.requires_grad_(False)
+        source = "random"
+    else:
+        head = load_draft(draft, net.cfg, net.norm, target.fingerprint, num_stages,
+                          tuple(boundaries) if boundaries is not None else None, net.dtype, net.device)
+        b = head.dcfg.boundaries
+    return Engine(target, head, b, max_len, source)
+
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def _cached_engine(**kw: Any) -> Engine:
+    key = tuple(sorted((k, str(v)) for k, v in kw.items()))
+    if key not in _ENGINES:
+        _ENGINES.clear()  # keep one model in memory
+        _ENGINES[key] = load(**kw)
+    return _ENGINES[key]
+
+
+def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int = 3,
+             method: str = "spd", model: str | None = None, draft: str | None = None,
+             dtype: str = "float32", max_len: int = 2048) -> GenerationOutput | list[GenerationOutput]:
+    """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar")."""
+    _check_method(method)
+    SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
+    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len)
+    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
+
+
+def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, seed: int | None = None, num_stages: int = 3, method: str = "spd",
+           model: str | None = None, draft: str | None = None, dtype: str = "float32",
+           max_len: int = 2048) -> Iterator[str]:
+    _check_method(method)
+    SamplingParams(temperature, top_k, top_p, seed)
+    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len)
+    return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)

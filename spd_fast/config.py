@@ -1,0 +1,125 @@
+"""Model configuration: one frozen dataclass for every supported Llama-family architecture."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type -> (qkv bias, q/k RMSNorm). Everything else is read from config.json.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),   # Llama 2 / 3.x, SmolLM2, Mistral-style dense llamas
+    "qwen2": (True, False),    # Qwen2 / Qwen2.5: bias on q, k, v
+    "qwen3": (False, True),    # Qwen3: RMSNorm on q and k per head
+}
+
+
+class SpdConfigError(ValueError):
+    """A configuration or input the user can fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise SpdConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise SpdConfigError(
+                f"unsupported model_type {model_type!r}; spd_fast supports "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3)")
+        bias_default, qk_norm = SUPPORTED_ARCHITECTURES[model_type]
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise SpdConfigError(
+                    f"unsupported rope_scaling type {kind!r}; supported: 'llama3' or none")
+            if kind in ("default", None):
+                rope_scaling = None
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", bias_default)),
+            qk_norm=qk_norm,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise SpdConfigError(f"{path} has no config.json; pass a Hugging Face checkpoint directory or a .gguf file")
+        return ModelConfig.from_hf_dict(json.loads(p.read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+
+def uniform_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Stage boundaries c_0=0 < c_1 < ... < c_n=L, the layers split as evenly as possible."""
+    validate_num_stages(num_layers, num_stages)
+    return tuple(round(s * num_layers / num_stages) for s in range(num_stages + 1))
+
+
+def validate_num_stages(num_layers: int, num_stages: int) -> None:
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise SpdConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if num_stages > num_layers:
+        raise SpdConfigError(
+            f"num_stages={num_stages} exceeds the model's {num_layers} layers; use 1 <= num_stages <= {num_layers}")
+
+
+def validate_boundaries(boundaries: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    b = tuple(int(x) for x in boundaries)
+    if len(b) < 2 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
+        raise SpdConfigError(
+            f"stage boundaries {list(b)} are invalid: they must start at 0, end at num_layers={num_layers} "
+            f"and strictly increase (e.g. {list(uniform_boundaries(num_layers, min(3, num_layers)))})")
+    return b

@@ -1,0 +1,130 @@
+"""Read a GGUF file (llama.cpp's format) into a Hugging Face-style config dict and state dict.
+
+Quantised tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantised with the `gguf` package at load.
+llama.cpp's converter permutes the rows of the Q and K projections of `llama` models for its
+interleaved RoPE; we undo that so the weights use the half-split RoPE of HF checkpoints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, SpdConfigError
+from .loading import CheckpointError
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated files fail inside numpy memmap / struct parsing
+        raise CheckpointError(
+            f"cannot read GGUF file {path} ({type(e).__name__}: {e}); it is truncated or corrupt, copy it again") from e
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SpdConfigError(
+            f"unsupported GGUF architecture {arch!r}; spd_fast supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = g("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": g("attention.head_count_kv", heads),
+        "head_dim": g("attention.key_length", hidden // heads),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": g("context_length", 8192),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # Inverse of llama.cpp's permute: rows grouped (head, pair, half) -> (head, half, pair).
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Returns (HF-style config dict, HF-named fp32 state dict)."""
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = _open(path)
+    cfg = gguf_config(reader)
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                continue
+            name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        else:
+            continue  # e.g. rope_freqs: recomputed from the config
+        try:
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as e:
+            raise CheckpointError(f"cannot dequantise {t.name} ({t.tensor_type.name}) from {path}: {e}") from e
+        arr = arr.reshape(tuple(int(x) for x in reversed(t.shape)))
+        if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            arr = _unpermute(arr, n)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    return cfg, sd
+
+
+def gguf_chat_template(path: str | Path) -> str | None:
+    return _field(_open(Path(path)), "tokenizer.chat_template")

@@ -1,0 +1,222 @@
+"""The Llama-family transformer (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3) with a static KV cache.
+
+Shapes: B batch, T tokens per call, H hidden, S attended cache slots.
+Every call takes `positions` [B, T] (int64 tensor): K/V are written to cache slot == position and a
+query at position p attends to slots <= p. So a cache's valid length is implied by the positions of
+the next call, and rolling a cache back is free: stale slots beyond the new position are masked
+and later overwritten. `kv_bound` (a host int) only limits how many slots a call reads; it is a
+multiple of KV_BLOCK derived from the largest position so that AR and SPD attend over the same
+slots for the same token (same numerics, token-identical greedy output).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+KV_BLOCK = 64
+
+
+def kv_bound_for(max_position: int, max_len: int) -> int:
+    """Number of cache slots to read for a query at `max_position` (rounded up to KV_BLOCK)."""
+    return min(max_len, (max_position // KV_BLOCK + 1) * KV_BLOCK)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm: normalise in fp32, cast, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    # fp32 arithmetic in the same order as transformers, so positions embed bit-identically.
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs:  # Llama 3.x frequency-dependent scaling
+        factor = rs["factor"]
+        lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / lo, old_len / hi
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = rope_inv_freq(cfg)
+    t = torch.arange(length, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D]; cos/sin [B, T, D] (fp32). Half-split rotation, as in HF checkpoints."""
+    d = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat([-xf[..., d:], xf[..., :d]], dim=-1)
+    out = xf * cos[:, :, None] + rot * sin[:, :, None]
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
+        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_bound: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.view(B, T, self.nh, self.hd)
+        k = k.view(B, T, self.nkv, self.hd)
+        v = v.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kc, vc = self.k_cache, self.v_cache
+        assert kc is not None, "call Transformer.setup_caches() before the forward"
+        b_idx = torch.arange(B, device=x.device)[:, None]
+        # Advanced indices around a slice: kc[b_idx, :, positions] has shape [B, T, nkv, D].
+        kc[b_idx, :, positions] = k.to(kc.dtype)
+        vc[b_idx, :, positions] = v.to(vc.dtype)
+        keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
+        slots = torch.arange(kv_bound, device=x.device)
+        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cos, sin, kv_bound):
+        x = x + self.attn(self.attn_norm(x), positions, cos, sin, kv_bound)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder layers and final norm + LM head as separately callable pieces."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.max_len = 0
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def setup_caches(self, max_batch: int, max_len: int) -> None:
+        """Allocate every layer's static KV cache [max_batch, kv_heads, max_len + 1, head_dim].
+
+        Slot `max_len` is a scratch slot: writes that must not land anywhere go there.
+        """
+        cfg = self.cfg
+        if self.max_len == max_len and self.layers[0].attn.k_cache is not None \
+                and self.layers[0].attn.k_cache.shape[0] >= max_batch:
+            return
+        shape = (max_batch, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+        for layer in self.layers:
+            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.max_len = max_len
+        cos, sin = rope_tables(cfg, max_len + 1)
+        self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, start: int, end: int,
+                   kv_bound: int | None = None, record: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run layers [start, end) on h [B, T, H]. Returns the output and {l: h^l} for l in `record`
+        with start <= l <= end (h^l is the state after l layers, before the final norm)."""
+        if kv_bound is None:
+            kv_bound = kv_bound_for(int(positions.max()), self.max_len)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        recorded: dict[int, torch.Tensor] = {}
+        if start in record:
+            recorded[start] = h
+        for li in range(start, end):
+            h = self.layers[li](h, positions, cos, sin, kv_bound)
+            if li + 1 in record:
+                recorded[li + 1] = h
+        return h, recorded
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_bound: int | None = None) -> torch.Tensor:
+        h, _ = self.run_layers(self.embed_tokens(ids), positions, 0, self.cfg.num_layers, kv_bound)
+        return self.logits(h)
+
+
+class Stage:
+    """Layers [start, end) of a Transformer: one pipeline stage. Owns no weights of its own."""
+
+    def __init__(self, model: Transformer, index: int, start: int, end: int):
+        self.model, self.index, self.start, self.end = model, index, start, end
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_bound: int | None = None,
+                 record: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        return self.model.run_layers(h, positions, self.start, self.end, kv_bound, record)
+
+    def __repr__(self) -> str:
+        return f"Stage({self.index}, layers [{self.start}, {self.end}))"
+
+
+def make_stages(model: Transformer, boundaries: tuple[int, ...]) -> list[Stage]:
+    return [Stage(model, i, a, b) for i, (a, b) in enumerate(zip(boundaries, boundaries[1:]))]

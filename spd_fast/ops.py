@@ -1,0 +1,63 @@
+"""The engine's fused-op boundary: multi-depth aggregation, draft sampling and verification.
+
+These are the pure-PyTorch implementations (the CPU path and the oracle for any faster backend).
+All of them are tensor-only: no host synchronisation, fixed shapes, usable inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams, probs_from_logits, sample_from
+
+
+def aggregate(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Tensor) -> torch.Tensor:
+    """anchor_rows [R, m, H], types [R] int64, w_padded [m, H, m*H] -> [R, H].
+
+    Row r computes W_{types[r]} · concat(anchors 0..types[r]); anchors above the type meet zero
+    columns of the padded weight, and are zeroed too so stale values (even NaN) cannot leak in.
+    """
+    R, m, H = anchor_rows.shape
+    keep = torch.arange(m, device=types.device)[None, :] <= types[:, None]            # [R, m]
+    x = torch.where(keep[:, :, None], anchor_rows, torch.zeros((), dtype=anchor_rows.dtype,
+                                                                 device=anchor_rows.device))
+    return torch.bmm(w_padded[types].to(x.dtype), x.reshape(R, m * H, 1)).squeeze(-1)
+
+
+def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PDM logits over the draft vocabulary [V_d] -> (draft token id in the full vocab, q [V] or None).
+
+    q is the exact distribution the token was drawn from, scattered into the full vocabulary
+    (zero outside the draft vocabulary); greedy drafting needs no q.
+    """
+    if params.greedy:
+        return draft_vocab[torch.argmax(logits_d, dim=-1)], None
+    q_d = probs_from_logits(logits_d, params)
+    j = sample_from(q_d, generator)
+    q = torch.zeros(vocab_size, dtype=q_d.dtype, device=q_d.device).scatter_(0, draft_vocab, q_d)
+    return draft_vocab[j], q
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (accept bool [], corrected token [] = argmax p)."""
+    y = torch.argmax(target_logits, dim=-1)
+    return y == draft_token, y
+
+
+def verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tensor, q: torch.Tensor,
+                    params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative rejection sampling for one draft token.
+
+    accept with probability min(1, p(x)/q(x)); on reject draw y ~ normalize(max(0, p - q)), or
+    y ~ p if that residual has no mass. Returns (accept, token to commit at this position).
+    """
+    p = probs_from_logits(target_logits, params)
+    px, qx = p[draft_token], q[draft_token]
+    u = torch.rand((), generator=generator, device=p.device)
+    # u * q(x) < p(x)  <=>  u < p(x)/q(x) without dividing by a zero q(x)
+    accept = u * qx < px
+    resid = (p - q).clamp_min(0)
+    mass = resid.sum()
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p)
+    y = sample_from(resid, generator)
+    return accept, torch.where(accept, draft_token, y)

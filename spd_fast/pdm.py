@@ -1,0 +1,215 @@
+"""The Pipeline Draft Module (PDM): multi-depth feature aggregation, a small decoder tower and an
+LM head over a draft vocabulary (SPD_DESIGN.md section 5).
+
+Anchors B = (b_0 = 0 < ... < b_{m-1} <= L) are the layer indices whose hidden states the PDM reads.
+A token at depth d (it finished layers < c_d) has type t(d) = max{i : b_i <= c_d}; its feature is
+g = W_t · concat(h^{b_0}, ..., h^{b_t}).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, SpdConfigError, validate_boundaries
+from .model import DecoderLayer, RMSNorm, rope_tables
+
+FORMAT_VERSION = 1
+
+
+class DraftMismatchError(SpdConfigError):
+    """A draft head that does not fit the target model or the requested pipeline."""
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    num_stages: int
+    boundaries: tuple[int, ...]
+    anchors: tuple[int, ...]
+    num_layers: int = 1            # L_s
+    draft_vocab_size: int = 0      # filled from the draft vocabulary
+    base_model_type: str = ""
+    base_hidden_size: int = 0
+    base_num_layers: int = 0
+    base_vocab_size: int = 0
+    base_fingerprint: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @staticmethod
+    def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,
+             num_layers: int = 1, draft_vocab_size: int = 0, fingerprint: str = "") -> "DraftConfig":
+        L = target_cfg.num_layers
+        b = validate_boundaries(boundaries, L)
+        a = tuple(b) if anchors is None else tuple(int(x) for x in anchors)
+        if not a or a[0] != 0 or any(x >= y for x, y in zip(a, a[1:])) or a[-1] > L:
+            raise SpdConfigError(
+                f"anchors {list(a)} are invalid: they must start at 0, strictly increase and stay <= "
+                f"num_layers={L} (default: the stage boundaries {list(b)})")
+        if num_layers < 1:
+            raise SpdConfigError(f"the draft head needs at least one decoder layer, got num_layers={num_layers}")
+        return DraftConfig(len(b) - 1, b, a, num_layers, draft_vocab_size or target_cfg.vocab_size,
+                           target_cfg.model_type, target_cfg.hidden_size, L, target_cfg.vocab_size, fingerprint)
+
+    @property
+    def num_types(self) -> int:
+        return len(self.anchors)
+
+    def type_of_depth(self, depth: int) -> int:
+        c = self.boundaries[depth]
+        return max(i for i, b in enumerate(self.anchors) if b <= c)
+
+    def depth_types(self) -> list[int]:
+        """t(d) for d = 0..n."""
+        return [self.type_of_depth(d) for d in range(self.num_stages + 1)]
+
+    def check_compatible(self, target_cfg: ModelConfig, fingerprint: str, num_stages: int | None,
+                         boundaries: tuple[int, ...] | None) -> None:
+        diffs = []
+        for name, mine, theirs in [("model_type", self.base_model_type, target_cfg.model_type),
+                                   ("hidden_size", self.base_hidden_size, target_cfg.hidden_size),
+                                   ("num_layers", self.base_num_layers, target_cfg.num_layers),
+                                   ("vocab_size", self.base_vocab_size, target_cfg.vocab_size)]:
+            if mine != theirs:
+                diffs.append(f"{name}: head {mine} vs model {theirs}")
+        if diffs:
+            raise DraftMismatchError("the draft head was trained for a different model (" + "; ".join(diffs)
+                                     + "); train a head for this model with `python -m spd_fast.train`")
+        if self.base_fingerprint and fingerprint and self.base_fingerprint != fingerprint:
+            raise DraftMismatchError(
+                f"the draft head was trained for other weights (fingerprint {self.base_fingerprint} vs model "
+                f"{fingerprint}); use the head trained for this checkpoint or train one")
+        if num_stages is not None and num_stages != self.num_stages:
+            raise DraftMismatchError(
+                f"the draft head was trained for num_stages={self.num_stages}, not {num_stages}; pass "
+                f"num_stages={self.num_stages}, or draft='random', or train a head for n={num_stages}")
+        if boundaries is not None and tuple(boundaries) != self.boundaries:
+            raise DraftMismatchError(
+                f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> "DraftConfig":
+        d: dict[str, Any] = json.loads(text)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise DraftMismatchError(
+                f"draft head format version {d.get('format_version')} is not supported (expected {FORMAT_VERSION})")
+        d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
+        return DraftConfig(**d)
+
+
+class DraftHead(nn.Module):
+    """The PDM. `norm` is the target's final norm (shared and frozen, never saved with the head)."""
+
+    def __init__(self, dcfg: DraftConfig, target_cfg: ModelConfig, target_norm: RMSNorm | None = None):
+        super().__init__()
+        H = target_cfg.hidden_size
+        self.dcfg, self.tcfg = dcfg, target_cfg
+        self.proj = nn.ModuleList(nn.Linear((i + 1) * H, H, bias=False) for i in range(dcfg.num_types))
+        self.layers = nn.ModuleList(DecoderLayer(target_cfg) for _ in range(dcfg.num_layers))
+        self.lm_head = nn.Linear(H, dcfg.draft_vocab_size, bias=False)
+        self.register_buffer("draft_vocab", torch.arange(dcfg.draft_vocab_size), persistent=True)
+        # Kept out of the module tree so state_dict() and parameters() never include the target's norm.
+        self.__dict__["norm"] = target_norm if target_norm is not None else RMSNorm(H, target_cfg.rms_norm_eps)
+        self.max_len = 0
+
+    # ---- aggregation -------------------------------------------------------------------------
+    def padded_proj(self) -> torch.Tensor:
+        """[m, H, m*H]: W_i zero-padded to the full anchor width so rows of mixed types are one bmm."""
+        m, H = self.dcfg.num_types, self.tcfg.hidden_size
+        w = self.proj[0].weight.new_zeros(m, H, m * H)
+        for i, p in enumerate(self.proj):
+            w[i, :, : (i + 1) * H] = p.weight
+        return w
+
+    def aggregate(self, anchor_rows: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """anchor_rows [R, m, H] (anchors beyond a row's type are ignored), types [R] -> g [R, H]."""
+        from .ops import aggregate
+
+        return aggregate(anchor_rows, types, self.padded_proj())
+
+    # ---- inference ---------------------------------------------------------------------------
+    def setup_cache(self, max_len: int) -> None:
+        shape = (1, self.tcfg.num_kv_heads, max_len + 1, self.tcfg.head_dim)
+        p = self.lm_head.weight
+        for layer in self.layers:
+            layer.attn.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            layer.attn.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        cos, sin = rope_tables(self.tcfg, max_len + 1)
+        self.rope_cos, self.rope_sin = cos.to(p.device), sin.to(p.device)
+        self.max_len = max_len
+
+    def tower(self, g: torch.Tensor, positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
+        """g [B, R, H] at `positions` [B, R] through the decoder layers (writes their K/V)."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers:
+            g = layer(g, positions, cos, sin, kv_bound)
+        return g
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(sd, str(path / "draft.safetensors"))
+        (path / "draft_config.json").write_text(self.dcfg.to_json())
+
+
+def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:
+    """Seeded initialisation: tower like a fresh transformer, LM head rows copied from the target."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0)
+        for i, proj in enumerate(head.proj):
+            # start as the mean of the available anchors so the feature has a sensible scale
+            H = head.tcfg.hidden_size
+            eye = torch.eye(H) / (i + 1)
+            proj.weight.copy_(torch.cat([eye] * (i + 1), dim=1) + 0.01 * torch.randn(proj.weight.shape, generator=g))
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].to(head.lm_head.weight.dtype))
+    return head
+
+
+def load_draft(path: str | Path, target_cfg: ModelConfig, target_norm: RMSNorm, fingerprint: str,
+               num_stages: int | None = None, boundaries: tuple[int, ...] | None = None,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, w_file = path / "draft_config.json", path / "draft.safetensors"
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise DraftMismatchError(
+            f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
+    try:
+        dcfg = DraftConfig.from_json(cfg_file.read_text())
+    except (json.JSONDecodeError, TypeError) as e:
+        raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({e})") from e
+    dcfg.check_compatible(target_cfg, fingerprint, num_stages, boundaries)
+    try:
+        sd = load_file(str(w_file))
+    except Exception as e:
+        raise DraftMismatchError(f"cannot read {w_file} ({e}); the file is truncated or corrupt") from e
+    head = DraftHead(dcfg, target_cfg, target_norm)
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise DraftMismatchError(f"{w_file} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def feature_type_copy(dcfg: DraftConfig, anchors: list[torch.Tensor], head: DraftHead, t: int) -> torch.Tensor:
+    """Training helper: g for every position at type t, from anchors [B, T, H] each."""
+    return F.linear(torch.cat(anchors[: t + 1], dim=-1), head.proj[t].weight)

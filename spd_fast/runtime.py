@@ -1,0 +1,110 @@
+"""A loaded target model: weights, tokenizer, EOS ids and identity, plus prompt encoding."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .config import ModelConfig, SpdConfigError
+from .loading import load_hf_dir
+from .model import Transformer
+from .store import resolve_model_dir
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+Prompt = str | Sequence[dict[str, str]]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise SpdConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise SpdConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class Target:
+    model: Transformer
+    tokenizer: Any
+    path: Path
+    eos_ids: tuple[int, ...]
+    fingerprint: str
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def weights_fingerprint(model: Transformer) -> str:
+    """A cheap identity of the weights: hash of a few strided slices of tensors at both ends."""
+    h = hashlib.sha256()
+    for t in (model.embed.weight, model.norm.weight, model.layers[-1].mlp.w_down.weight,
+              model.layers[0].attn.wqkv.weight):
+        flat = t.detach().reshape(-1)
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _eos_ids(path: Path, cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = list(cfg.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", progress: bool = True) -> Target:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(model, progress=progress)
+    net = load_hf_dir(path, parse_dtype(dtype), device)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise SpdConfigError(f"cannot load the tokenizer from {path} ({e}); the directory needs tokenizer files") from e
+    return Target(net, tok, path, _eos_ids(path, net.cfg, tok), weights_fingerprint(net))
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A str is raw text; a list of {"role", "content"} dicts goes through the chat template."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise SpdConfigError("the prompt is empty; pass a non-empty string or a list of chat messages")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        if not prompt:
+            raise SpdConfigError("the message list is empty; pass at least one {'role': 'user', 'content': ...}")
+        for m in prompt:
+            if set(m) < {"role", "content"} or not isinstance(m.get("content"), str):
+                raise SpdConfigError(f"chat message {m!r} needs string 'role' and 'content' keys")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise SpdConfigError("this model's tokenizer has no chat template; pass the prompt as a plain string")
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+    else:
+        raise SpdConfigError(
+            f"prompt must be a str or a list of {{'role', 'content'}} dicts, got {type(prompt).__name__}")
+    if not ids:
+        raise SpdConfigError("the prompt encodes to zero tokens; pass a non-empty prompt")
+    return [int(i) for i in ids]

@@ -1,0 +1,72 @@
+"""Sampling parameters and logit processing shared by AR decoding, drafting and verification.
+
+The same `probs_from_logits` turns the target's logits into p and the draft head's logits into q,
+so SPD's rejection sampling is exact with respect to the user's own parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SpdConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 -> greedy
+    top_k: int = 0             # 0 -> off
+    top_p: float = 1.0         # 1 -> off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t >= 0) or t == float("inf"):
+            raise SpdConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise SpdConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
+            raise SpdConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SpdConfigError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p."""
+    x = logits.float() / params.temperature
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sp = torch.softmax(sorted_x, dim=-1)
+        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        drop_sorted = (sp.cumsum(-1) - sp) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one index per row of [..., V] probs without a host sync (exponential-race trick)."""
+    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / e, dim=-1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    return sample_from(probs_from_logits(logits, params), generator)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return g

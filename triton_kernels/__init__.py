@@ -1,0 +1,1 @@
+"""Triton kernels (installed as spd_fast.triton_kernels)."""
