@@ -163,7 +163,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head.requires_grad_(False)
         source = "random"
     else:
-        head = load_draft(draft, net.cfg, net.norm, target.fingerprint, num_stages,
+        head = load_draft(draft, net, target.fingerprint, num_stages,
                           tuple(boundaries) if boundaries is not None else None, net.dtype, net.device)
         b = head.dcfg.boundaries
     return Engine(target, head, b, max_len, source)

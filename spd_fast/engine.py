@@ -98,6 +98,8 @@ class SPDEngine:
         # which anchors each stage records: b_i in (c_s, c_{s+1}] (b_0 = 0 is the embedding)
         self.stage_anchor_idx = [[i for i, b in enumerate(self.anchors) if s.start < b <= s.end] for s in self.stages]
         # depth -> type table, t(d) = max{i : b_i <= c_d}
+        self.profile = False  # when True, cycle() appends a time split to self.cycle_profile
+        self.cycle_profile: list[dict[str, float]] = []
         self.depth_type = torch.tensor([max(i for i, b in enumerate(self.anchors) if b <= self.boundaries[d])
                                         for d in range(self.n + 1)], device=target.device)
 
@@ -133,6 +135,8 @@ class SPDEngine:
     @torch.inference_mode()
     def cycle(self, st: PipelineState, params: SamplingParams, generator: torch.Generator | None) -> None:
         model, n = self.model, self.n
+        clock = time.perf_counter if self.profile else (lambda: 0.0)
+        t_start = clock()
         fill, p_new = int(st.fill), int(st.p_new)  # host copies: free on CPU (a sync on a GPU)
         p_old = p_new - fill + 1
 
@@ -141,15 +145,18 @@ class SPDEngine:
         st.anchors[p_new, 0] = st.hbuf[0, 0, 0]
 
         # 1. draft the token at p_new + 1 from pre-step features
+        t_draft = clock()
         x_hat, q = self.drafter.draft(self, st, params, generator)
+        t_draft = clock() - t_draft
         st.tokens[p_new + 1] = x_hat
         if q is not None:
             st.q_ring[(p_new + 1) % (n + 1)] = q
         st.pdm_len.fill_(p_old)
 
         # 2. every in-flight token advances one stage (sequential executor: one after another)
-        outs = []
+        outs, stage_times = [], []
         for s in range(fill):
+            t_s = clock()
             pos = p_new - s
             stage = self.stages[s]
             want = tuple(self.anchors[i] for i in self.stage_anchor_idx[s])
@@ -157,9 +164,11 @@ class SPDEngine:
             for i in self.stage_anchor_idx[s]:
                 st.anchors[pos, i] = rec[self.anchors[i]][0, 0]
             outs.append(h)
+            stage_times.append(clock() - t_s)
 
         # 3. verify: the oldest token left the last stage -> target distribution at p_old + 1
         st.cycles += 1
+        t_verify = clock()
         if fill == n:
             logits = model.logits(outs[n - 1])[0, 0]
             cand = st.tokens[p_old + 1]
@@ -179,6 +188,14 @@ class SPDEngine:
         # depth s output becomes depth s+1 input (rows beyond the new fill are never read)
         for s in range(min(fill, n - 1)):
             st.hbuf[s + 1] = outs[s]
+        if self.profile:
+            t_end = clock()
+            t_verify = t_end - t_verify
+            total = t_end - t_start
+            self.cycle_profile.append({
+                "cycle": total, "draft": t_draft, "stages": sum(stage_times),
+                "slowest_stage": max(stage_times), "verify": t_verify,
+                "overhead": total - t_draft - sum(stage_times) - t_verify, "fill": float(fill)})
 
     # ---- the decode loop -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,

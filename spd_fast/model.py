@@ -106,9 +106,25 @@ class Attention(nn.Module):
         keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
         slots = torch.arange(kv_bound, device=x.device)
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=mask, enable_gqa=self.nh != self.nkv)
-        return self.wo(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        if T <= 8:
+            o = self._decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                               attn_mask=mask, enable_gqa=self.nh != self.nkv).transpose(1, 2)
+        return self.wo(o.reshape(B, T, self.nh * self.hd))
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """Few-query attention as two small matmuls; the query heads of one KV group share a matmul
+        (GQA without repeating K/V). q [B, T, nh, D], keys/values [B, nkv, S, D] -> [B, T, nh, D]."""
+        B, T = q.shape[:2]
+        g = self.nh // self.nkv
+        qg = q.view(B, T, self.nkv, g, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.nkv, g * T, self.hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * (self.hd ** -0.5)   # [B, nkv, g*T, S]
+        m = mask[:, :, None].expand(B, 1, g, T, -1).reshape(B, 1, g * T, -1)
+        scores = scores.masked_fill(~m, float("-inf"))
+        o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)  # [B, nkv, g*T, D]
+        return o.view(B, self.nkv, g, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.nh, self.hd)
 
 
 class MLP(nn.Module):

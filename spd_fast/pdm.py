@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, SpdConfigError, validate_boundaries
@@ -38,6 +37,7 @@ class DraftConfig:
     base_num_layers: int = 0
     base_vocab_size: int = 0
     base_fingerprint: str = ""
+    frozen_lm_head: bool = True    # LM head = the target's rows of the draft vocabulary (not saved)
     format_version: int = FORMAT_VERSION
 
     @staticmethod
@@ -145,6 +145,14 @@ class DraftHead(nn.Module):
         self.rope_cos, self.rope_sin = cos.to(p.device), sin.to(p.device)
         self.max_len = max_len
 
+    def rope_cos_train(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [R, D] for training (no cache needed)."""
+        n = int(positions.max()) + 1
+        if getattr(self, "_train_rope_len", 0) < n:
+            self._train_cos, self._train_sin = rope_tables(self.tcfg, max(n, 512))
+            self._train_rope_len = max(n, 512)
+        return self._train_cos[positions], self._train_sin[positions]
+
     def tower(self, g: torch.Tensor, positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
         """g [B, R, H] at `positions` [B, R] through the decoder layers (writes their K/V)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -156,12 +164,16 @@ class DraftHead(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write draft.safetensors + draft_config.json. A frozen LM head is not stored: it is
+        rebuilt from the target's LM head and `draft_vocab` at load."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+              for k, v in self.state_dict().items()
+              if not (self.dcfg.frozen_lm_head and k == "lm_head.weight")}
         save_file(sd, str(path / "draft.safetensors"))
         (path / "draft_config.json").write_text(self.dcfg.to_json())
 
@@ -184,7 +196,14 @@ def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:
     return head
 
 
-def load_draft(path: str | Path, target_cfg: ModelConfig, target_norm: RMSNorm, fingerprint: str,
+def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
+    """Point the head at a draft vocabulary (index -> token id) and copy the target's LM-head rows."""
+    with torch.no_grad():
+        head.draft_vocab.copy_(token_ids.to(head.draft_vocab))
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].to(head.lm_head.weight.dtype))
+
+
+def load_draft(path: str | Path, target, fingerprint: str,
                num_stages: int | None = None, boundaries: tuple[int, ...] | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
     from safetensors.torch import load_file
@@ -198,18 +217,18 @@ def load_draft(path: str | Path, target_cfg: ModelConfig, target_norm: RMSNorm, 
         dcfg = DraftConfig.from_json(cfg_file.read_text())
     except (json.JSONDecodeError, TypeError) as e:
         raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({e})") from e
+    target_cfg = target.cfg
     dcfg.check_compatible(target_cfg, fingerprint, num_stages, boundaries)
     try:
         sd = load_file(str(w_file))
     except Exception as e:
         raise DraftMismatchError(f"cannot read {w_file} ({e}); the file is truncated or corrupt") from e
-    head = DraftHead(dcfg, target_cfg, target_norm)
+    head = DraftHead(dcfg, target_cfg, target.norm)
     missing, unexpected = head.load_state_dict(sd, strict=False)
+    if dcfg.frozen_lm_head and "lm_head.weight" in missing:
+        missing.remove("lm_head.weight")
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].float())
     if missing or unexpected:
         raise DraftMismatchError(f"{w_file} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def feature_type_copy(dcfg: DraftConfig, anchors: list[torch.Tensor], head: DraftHead, t: int) -> torch.Tensor:
-    """Training helper: g for every position at type t, from anchors [B, T, H] each."""
-    return F.linear(torch.cat(anchors[: t + 1], dim=-1), head.proj[t].weight)

@@ -1,0 +1,99 @@
+"""`python -m spd_fast.train`: self-distil data with the target, then train a PDM draft head."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
+    p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
+    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--boundaries", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 0,10,20,30")
+    p.add_argument("--anchors", type=lambda s: [int(x) for x in s.split(",")], help="default: the boundaries")
+    p.add_argument("--draft-layers", type=int, default=1, help="L_s, decoder layers of the head")
+    p.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size V_d")
+    p.add_argument("--data", action="append", default=[],
+                   help="training data: 'self-distill' (default) or a .jsonl/.txt/.parquet file; repeatable")
+    p.add_argument("--prompts", help="prompt set for self-distillation (default: the project's train.jsonl)")
+    p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--gen-max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--gen-temperature", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--epochs", type=float, default=0, help="if > 0, overrides --steps")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--fill-aug", type=float, default=0.5)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on CPUs with AMX/AVX512-BF16 and GPUs)")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--no-resume", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import SpdConfigError
+    from ..runtime import load_target
+    from .data import load_prompts, read_jsonl, self_distill, text_file_samples
+    from .trainer import TrainConfig, pack_batches, train
+
+    a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_f = open(out / "train_log.jsonl", "a")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+        log_f.write(msg + "\n")
+        log_f.flush()
+
+    try:
+        target = load_target(a.model)
+        samples: list[dict] = []
+        for src in a.data or ["self-distill"]:
+            if src == "self-distill":
+                prompts = load_prompts(a.prompts)
+                if a.max_prompts:
+                    prompts = prompts[: a.max_prompts]
+                t0 = time.perf_counter()
+                path = self_distill(target, prompts, out / "self_distill.jsonl", a.gen_max_new_tokens, a.gen_batch,
+                                    a.gen_temperature, a.seed)
+                log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
+                                "seconds": round(time.perf_counter() - t0, 1)}))
+                samples += read_jsonl(path)
+            else:
+                if not Path(src).is_file():
+                    raise SpdConfigError(f"data file {src} does not exist")
+                samples += list(text_file_samples(src, target))
+        if not samples:
+            raise SpdConfigError("no training samples; pass --data self-distill or a data file")
+        steps = a.steps
+        if a.epochs > 0:
+            steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))
+        cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
+                          max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, seed=a.seed, bf16=a.bf16,
+                          save_every=a.save_every)
+        t0 = time.perf_counter()
+        train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
+              resume=not a.no_resume, log=log)
+        log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
+    except SpdConfigError as e:
+        print(f"spd_fast.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

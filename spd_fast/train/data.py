@@ -1,0 +1,77 @@
+"""Training data: prompt sets, self-distillation with the runtime's batched generation, local files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..batch_generate import generate_batch
+from ..progress import bar
+from ..runtime import Target
+from ..sampling import SamplingParams
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """{"id", "prompt"} records; default: the project's training prompt set."""
+    return read_jsonl(path or PROMPTS_DIR / "train.jsonl")
+
+
+def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_new_tokens: int = 128,
+                 batch_size: int = 32, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> Path:
+    """Let the target answer every prompt; append {"id", "prompt_ids", "response_ids"} lines to out_path.
+
+    Resumable: prompts whose id is already in out_path are skipped.
+    """
+    out_path = Path(out_path)
+    done = {r["id"] for r in read_jsonl(out_path)} if out_path.is_file() else set()
+    todo = [p for p in prompts if p["id"] not in done]
+    enc = [(p["id"], target.encode([{"role": "user", "content": p["prompt"]}])) for p in todo]
+    enc.sort(key=lambda x: len(x[1]))  # similar lengths batch together
+    params = SamplingParams(temperature=temperature, seed=seed)
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    longest = max((len(e) for _, e in enc), default=0)
+    target.model.setup_caches(batch_size, longest + max_new_tokens + 1)
+    batches = [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
+    with open(out_path, "a") as f:
+        for batch in bar(batches, "self-distillation", enabled=progress):
+            outs = generate_batch(target.model, [e for _, e in batch], max_new_tokens, params, target.eos_ids, gen)
+            for (pid, e), o in zip(batch, outs):
+                f.write(json.dumps({"id": pid, "prompt_ids": e, "response_ids": o}) + "\n")
+            f.flush()
+    return out_path
+
+
+def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
+    """Local data: .jsonl with {"messages": [...]} (chat; loss on assistant turns) or {"text": ...},
+    or a plain .txt file (one sample per blank-line-separated block)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        for i, rec in enumerate(read_jsonl(path)):
+            if "prompt_ids" in rec:
+                yield rec
+            elif "messages" in rec:
+                msgs = rec["messages"]
+                ids_prompt = target.tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
+                ids_full = target.tokenizer.apply_chat_template(msgs, tokenize=True)
+                ids_prompt = list(ids_prompt["input_ids"] if isinstance(ids_prompt, dict) else ids_prompt)
+                ids_full = list(ids_full["input_ids"] if isinstance(ids_full, dict) else ids_full)
+                yield {"id": f"{path.stem}-{i}", "prompt_ids": ids_prompt, "response_ids": ids_full[len(ids_prompt):]}
+            elif "text" in rec:
+                yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
+    elif path.suffix == ".parquet":
+        import pandas as pd  # optional: only needed for parquet input
+
+        for i, text in enumerate(pd.read_parquet(path)["text"]):
+            yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(text)}
+    else:
+        for i, block in enumerate(b for b in path.read_text().split("\n\n") if b.strip()):
+            yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(block)}

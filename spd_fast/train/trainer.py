@@ -1,0 +1,264 @@
+"""PDM training by teacher forcing (SPD_DESIGN.md section 5.3).
+
+Per batch: one no-grad target forward records the anchor states h^{b_i} and the target's
+next-token distribution; the head runs over m type-copies of the sequence under the structured
+mask; the loss is KL(target || draft) over the draft vocabulary on the type-0 rows of assistant
+positions whose target argmax lies in the draft vocabulary.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..model import Transformer, apply_rope
+from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
+from ..progress import interactive
+from .mask import structured_mask
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 5e-4
+    warmup: int = 50
+    batch_tokens: int = 2048        # tokens per optimisation step (sequences are packed greedily)
+    max_seq_len: int = 512
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    fill_aug: float = 0.5           # probability of a step with a random fill f in [1, n-1]
+    seed: int = 0
+    bf16: bool = False              # autocast the head (and teacher) to bf16
+    save_every: int = 100
+    log_every: int = 10
+
+
+def build_draft_vocab(samples: Sequence[dict], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `size` most frequent tokens of the responses (+ `always`), sorted by token id."""
+    counts: Counter = Counter()
+    for s in samples:
+        counts.update(s["response_ids"])
+    chosen = list(dict.fromkeys([int(a) for a in always] + [t for t, _ in counts.most_common(size)]))[:size]
+    rest = (t for t in range(vocab_size) if t not in set(chosen))
+    while len(chosen) < size:
+        chosen.append(next(rest))
+    return torch.tensor(sorted(chosen))
+
+
+def _layer_train(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 n_query: int) -> torch.Tensor:
+    """A DecoderLayer without a KV cache; only the first `n_query` rows are computed as queries."""
+    at = layer.attn
+    B, R, _ = x.shape
+    h = layer.attn_norm(x)
+    q, k, v = at.wqkv(h).split([at.nh * at.hd, at.nkv * at.hd, at.nkv * at.hd], dim=-1)
+    q = q[:, :n_query].reshape(B, n_query, at.nh, at.hd)
+    k = k.reshape(B, R, at.nkv, at.hd)
+    v = v.reshape(B, R, at.nkv, at.hd)
+    if at.q_norm is not None:
+        q, k = at.q_norm(q), at.k_norm(k)
+    q = apply_rope(q, cos[:, :n_query], sin[:, :n_query])
+    k = apply_rope(k, cos, sin)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, :, :n_query], enable_gqa=at.nh != at.nkv)
+    y = x[:, :n_query] + at.wo(o.transpose(1, 2).reshape(B, n_query, at.nh * at.hd))
+    return y + layer.mlp(layer.mlp_norm(y))
+
+
+class PdmTrainer:
+    def __init__(self, target: Transformer, head: DraftHead, cfg: TrainConfig):
+        self.target, self.head, self.cfg = target, head, cfg
+        self.depth_type = head.dcfg.depth_types()
+        self.n = head.dcfg.num_stages
+        self.m = head.dcfg.num_types
+        params = [p for n_, p in head.named_parameters() if not (head.dcfg.frozen_lm_head and n_ == "lm_head.weight")]
+        if head.dcfg.frozen_lm_head:
+            head.lm_head.weight.requires_grad_(False)
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.rng = random.Random(cfg.seed)
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        return c.lr * max(0.0, 1 - (step - c.warmup) / max(1, c.steps - c.warmup))
+
+    @torch.no_grad()
+    def teacher(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """-> (anchor states [B, T, H] each, teacher log-probs over V_d [B, T, V_d], target argmax [B, T])."""
+        tg, B, T = self.target, ids.shape[0], ids.shape[1]
+        tg.setup_caches(B, max(tg.max_len, T))
+        ar = torch.arange(T)[None].expand(B, T)
+        pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, tg.max_len))
+        anchors = self.head.dcfg.anchors
+        h, rec = tg.run_layers(tg.embed_tokens(ids), pos, 0, tg.cfg.num_layers, kv_bound=T, record=anchors)
+        logits = tg.logits(h)
+        dv = self.head.draft_vocab
+        return [rec[b].float() for b in anchors], torch.log_softmax(logits[..., dv], -1), logits.argmax(-1)
+
+    def loss(self, ids: torch.Tensor, lens: torch.Tensor, loss_mask: torch.Tensor, fill: int | None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        head, B, T, m = self.head, ids.shape[0], ids.shape[1], self.m
+        anchors, t_logp, t_arg = self.teacher(ids, lens)
+        # type copies: copy a = W_a · concat(anchors 0..a)
+        g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)  # [B, mT, H]
+        pos = torch.arange(T).repeat(m)
+        cos, sin = head.rope_cos_train(pos)
+        cos, sin = cos[None].expand(B, -1, -1), sin[None].expand(B, -1, -1)
+        mask = structured_mask(T, self.depth_type, fill)                       # [mT, mT]
+        key_ok = (torch.arange(T)[None] < lens[:, None]).repeat(1, m)            # padded keys never seen
+        mask = (mask[None] & key_ok[:, None, :])[:, None]                        # [B, 1, mT, mT]
+        x = g
+        L = len(head.layers)
+        for i, layer in enumerate(head.layers):
+            x = _layer_train(layer, x, cos, sin, mask, T if i == L - 1 else m * T)
+        s_logp = torch.log_softmax(head.draft_logits(x), -1)                     # [B, T, V_d]
+        in_vocab = torch.isin(t_arg, head.draft_vocab)
+        w = (loss_mask & in_vocab).float()
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+        denom = w.sum().clamp_min(1.0)
+        loss = (kl * w).sum() / denom
+        agree = ((head.draft_vocab[s_logp.argmax(-1)] == t_arg).float() * w).sum() / denom
+        return loss, {"loss": float(loss), "top1": float(agree), "tokens": float(w.sum())}
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        c = self.cfg
+        fill = None
+        if self.n > 1 and self.rng.random() < c.fill_aug:
+            fill = self.rng.randint(1, self.n - 1)
+        for gparam in self.opt.param_groups:
+            gparam["lr"] = self.lr_at(self.step)
+        self.head.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+            loss, stats = self.loss(*batch, fill=fill)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return stats
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.head.save(out / "head")
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg)},
+                   out / "trainer_state.pt.tmp")
+        (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
+
+    def resume(self, out: Path) -> bool:
+        f = out / "trainer_state.pt"
+        if not f.is_file():
+            return False
+        st = torch.load(f, weights_only=False)
+        self.head.load_state_dict(st["head"])
+        self.opt.load_state_dict(st["opt"])
+        self.step = st["step"]
+        self.rng.setstate(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        return True
+
+
+def pack_batches(samples: Sequence[dict], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+                 ) -> list[list[dict]]:
+    """Shuffle (seeded per epoch), then group samples of similar length up to ~batch_tokens padded tokens."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = list(samples)
+    rng.shuffle(order)
+    # sort within chunks of 64 for less padding, keep the global order random
+    chunks = [sorted(order[i:i + 64], key=lambda s: len(s["prompt_ids"]) + len(s["response_ids"]))
+              for i in range(0, len(order), 64)]
+    batches, cur, cur_max = [], [], 0
+    for ch in chunks:
+        for s in ch:
+            L = min(max_seq_len, len(s["prompt_ids"]) + len(s["response_ids"]))
+            if cur and max(cur_max, L) * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, cur_max = [], 0
+            cur.append(s)
+            cur_max = max(cur_max, L)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(batch: list[dict], max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ids [B, T], lens [B], loss_mask [B, T] (positions t whose next token t+1 is an assistant token)."""
+    seqs = [(s["prompt_ids"] + s["response_ids"])[:max_seq_len] for s in batch]
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, (s, smp) in enumerate(zip(seqs, batch)):
+        ids[i, : len(s)] = torch.tensor(s)
+        P = len(smp["prompt_ids"])
+        mask[i, max(P - 1, 0): len(s) - 1] = True
+    return ids, torch.tensor([len(s) for s in seqs]), mask
+
+
+def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
+          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
+          draft_vocab_size: int = 16384, cfg: TrainConfig = TrainConfig(), resume: bool = True,
+          log=print) -> DraftHead:
+    """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"})."""
+    from ..config import uniform_boundaries
+
+    torch.manual_seed(cfg.seed)
+    tgt = target_obj.model
+    out = Path(out_dir)
+    b = tuple(boundaries) if boundaries is not None else uniform_boundaries(tgt.cfg.num_layers, num_stages)
+    vd = min(draft_vocab_size, tgt.cfg.vocab_size)
+    dcfg = DraftConfig.make(tgt.cfg, b, tuple(anchors) if anchors is not None else None, draft_layers, vd,
+                            target_obj.fingerprint)
+    head = init_from_target(DraftHead(dcfg, tgt.cfg, tgt.norm), tgt, cfg.seed)
+    set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
+    trainer = PdmTrainer(tgt, head, cfg)
+    if resume and trainer.resume(out):
+        log(f"resumed from {out} at step {trainer.step}")
+    (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
+                                                        "samples": len(samples)}, indent=2))
+    epoch, done_in_epoch = 0, 0
+    per_epoch = len(pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+    epoch, done_in_epoch = divmod(trainer.step, per_epoch)
+    t0, toks, agg = time.perf_counter(), 0.0, []
+    pbar = None
+    if interactive():
+        from tqdm import tqdm
+        pbar = tqdm(total=cfg.steps, initial=trainer.step, desc="train PDM")
+    while trainer.step < cfg.steps:
+        batches = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)[done_in_epoch:]
+        for bt in batches:
+            if trainer.step >= cfg.steps:
+                break
+            stats = trainer.train_step(collate(bt, cfg.max_seq_len))
+            toks += stats["tokens"]
+            agg.append(stats)
+            if pbar is not None:
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.3f}",
+                                 tok_s=f"{toks / (time.perf_counter() - t0):.0f}")
+            if trainer.step % cfg.log_every == 0:
+                k = agg[-cfg.log_every:]
+                log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step),
+                                "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
+                                "tokens_per_s": toks / (time.perf_counter() - t0)}))
+            if trainer.step % cfg.save_every == 0 or trainer.step == cfg.steps:
+                trainer.save(out)
+        epoch, done_in_epoch = epoch + 1, 0
+    if pbar is not None:
+        pbar.close()
+    trainer.save(out)
+    head.eval()
+    return head

@@ -1,0 +1,90 @@
+"""Shared fixtures: the default model (fp32, CPU) and tiny random-weight checkpoints of each family."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def _tiny_config(family: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family == "llama":
+        return LlamaConfig(num_hidden_layers=6, tie_word_embeddings=False, **TINY)
+    if family == "llama-tied":
+        return LlamaConfig(num_hidden_layers=5, tie_word_embeddings=True, **TINY)
+    if family == "llama3":  # Llama-3.x RoPE scaling
+        return LlamaConfig(num_hidden_layers=4, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                           **TINY)
+    if family == "qwen2":
+        return Qwen2Config(num_hidden_layers=4, **TINY)
+    if family == "qwen3":
+        return Qwen3Config(num_hidden_layers=4, head_dim=16, **TINY)
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "llama-tied", "llama3", "qwen2", "qwen3"]
+
+
+def _copy_tokenizer(d) -> None:
+    """Tiny checkpoints borrow the default model's tokenizer files so the public API can load them
+    (the API tests only exercise errors and token-id paths, never decode text of a tiny model)."""
+    import shutil
+
+    from spd_fast.store import resolve_model_dir
+
+    src = resolve_model_dir(None, progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, d / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """family -> directory with a random-weight checkpoint saved by transformers (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            torch.manual_seed(hash(family) % 1000)
+            hf = AutoModelForCausalLM.from_config(_tiny_config(family), dtype=torch.float32)
+            with torch.no_grad():  # larger weights than the default init, so logits are not flat
+                for p in hf.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0, 0.08)
+            d = tmp_path_factory.mktemp(family)
+            hf.save_pretrained(d)
+            _copy_tokenizer(d)
+            made[family] = str(d)
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    """SmolLM2-135M-Instruct, fp32 on CPU, caches for 1 x 1024 positions."""
+    from spd_fast.runtime import load_target
+
+    tg = load_target(None, "float32", "cpu", progress=False)
+    tg.model.setup_caches(1, 1024)
+    return tg
+
+
+def tiny_target(path: str, max_len: int = 256, max_batch: int = 1):
+    from spd_fast.loading import load_hf_dir
+
+    m = load_hf_dir(path)
+    m.setup_caches(max_batch, max_len)
+    return m

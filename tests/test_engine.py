@@ -1,0 +1,139 @@
+"""SPD engine: greedy exactness, cycle accounting, rollback, EOS handling, lossless sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_target
+from spd_fast.ar import decode_ar
+from spd_fast.config import uniform_boundaries
+from spd_fast.drafters import PdmDrafter, ReferenceDrafter
+from spd_fast.engine import SPDEngine
+from spd_fast.pdm import DraftConfig, DraftHead, init_from_target
+from spd_fast.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def random_head(model, boundaries, anchors=None, layers=1, seed=0, vocab=4096):
+    # a small draft vocabulary keeps random-head tests on the 49k-vocab default model fast
+    dcfg = DraftConfig.make(model.cfg, boundaries, anchors, layers, min(vocab, model.cfg.vocab_size))
+    return init_from_target(DraftHead(dcfg, model.cfg, model.norm), model, seed).eval().requires_grad_(False)
+
+
+def spd(model, prompt_ids, boundaries, new, params=GREEDY, eos=(), drafter=None, anchors=None, gen=None):
+    drafter = drafter or PdmDrafter(random_head(model, boundaries, anchors))
+    eng = SPDEngine(model, drafter, boundaries, anchors if anchors is not None else
+                    (drafter.head.dcfg.anchors if isinstance(drafter, PdmDrafter) else None))
+    return eng.run(prompt_ids, new, params, eos, gen)
+
+
+DEFAULT_PROMPTS = ["A", "Hi there", [{"role": "user", "content": "Write a haiku about rain."}],
+                   [{"role": "user", "content": "What is 17 * 3? Explain."}]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 10])
+def test_greedy_spd_equals_ar_default_model(default_target, n):
+    m = default_target.model
+    b = uniform_boundaries(30, n)
+    for prompt in DEFAULT_PROMPTS[:2] + DEFAULT_PROMPTS[2:][n % 2:n % 2 + 1]:
+        ids = default_target.encode(prompt)
+        ref = decode_ar(m, ids, 20, GREEDY, default_target.eos_ids).token_ids
+        got = spd(m, ids, b, 20, eos=default_target.eos_ids).token_ids
+        assert got == ref, (n, prompt)
+
+
+@pytest.mark.parametrize("boundaries,anchors", [((0, 4, 20, 30), None), ((0, 13, 30), None),
+                                                ((0, 10, 20, 30), (0, 10, 20, 29)),
+                                                ((0, 6, 12, 18, 24, 30), (0, 12, 24))],
+                         ids=["uneven-3", "uneven-2", "anchors-0-10-20-29", "n5-shared-types"])
+def test_greedy_spd_equals_ar_uneven_and_anchor_sets(default_target, boundaries, anchors):
+    m = default_target.model
+    ids = default_target.encode([{"role": "user", "content": "List three fruits."}])
+    ref = decode_ar(m, ids, 24, GREEDY, default_target.eos_ids).token_ids
+    assert spd(m, ids, boundaries, 24, eos=default_target.eos_ids, anchors=anchors).token_ids == ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_spd_equals_ar_tiny_families(tiny_checkpoint, family):
+    m = tiny_target(tiny_checkpoint(family))
+    L = m.cfg.num_layers
+    g = torch.Generator().manual_seed(5)
+    for n in sorted({1, 2, 3, L}):
+        for plen in (1, 2, 7):
+            ids = torch.randint(0, 97, (plen,), generator=g).tolist()
+            ref = decode_ar(m, ids, 30, GREEDY, []).token_ids
+            got = spd(m, ids, uniform_boundaries(L, n), 30, drafter=PdmDrafter(
+                random_head(m, uniform_boundaries(L, n), layers=2, seed=n))).token_ids
+            assert got == ref, (family, n, plen)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_cycle_accounting_oracle_and_wrong(tiny_checkpoint, n):
+    m = tiny_target(tiny_checkpoint("llama"))
+    ids = [3, 14, 15, 92, 65]
+    new = 25
+    ref = decode_ar(m, ids, new, GREEDY, []).token_ids
+    b = uniform_boundaries(6, n)
+    oracle = spd(m, ids, b, new, drafter=ReferenceDrafter(ids + ref, 97, "oracle"))
+    assert oracle.token_ids == ref
+    mo = oracle.metrics
+    assert mo["acceptance_rate"] == 1.0
+    # n-1 warm-up cycles, then one token per cycle
+    assert mo["cycles"] == (new - 1) + (n - 1)
+    wrong = spd(m, ids, b, new, drafter=ReferenceDrafter(ids + ref, 97, "wrong"))
+    assert wrong.token_ids == ref
+    mw = wrong.metrics
+    assert mw["acceptance_rate"] == (1.0 if n == 1 else 0.0) or n == 1
+    if n > 1:
+        assert mw["acceptance_rate"] == 0.0
+    assert mw["cycles"] == n * (new - 1)  # every token costs n cycles
+    assert mw["tokens_per_cycle"] == pytest.approx(1 / n)
+    assert mw["equivalent_accept_length"] == pytest.approx(1.0)
+
+
+def test_eos_while_drafts_in_flight(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("qwen2"))
+    ids = [5, 6, 7]
+    free = decode_ar(m, ids, 30, GREEDY, []).token_ids
+    eos = free[9]
+    ref = decode_ar(m, ids, 30, GREEDY, [eos]).token_ids
+    for n in (2, 4):
+        res = spd(m, ids, uniform_boundaries(4, n), 30, eos=[eos],
+                  drafter=ReferenceDrafter(ids + free, 97, "oracle"))
+        assert res.token_ids == ref and res.finished_by_eos
+        assert res.token_ids[-1] == eos
+
+
+def test_max_new_tokens_one_and_capacity(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"), max_len=64)
+    ids = [1, 2, 3]
+    ref = decode_ar(m, ids, 1, GREEDY, []).token_ids
+    assert spd(m, ids, (0, 3, 6), 1).token_ids == ref
+
+
+def test_rollback_caches_equal_fresh_run(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    m = tiny_target(path)
+    b = (0, 2, 4, 6)
+    ids = [11, 12, 13, 14]
+    head = random_head(m, b, layers=2)
+    eng = SPDEngine(m, PdmDrafter(head), b)
+    toks = list(eng.generate(ids, 9, GREEDY, []))
+    st = eng.last_state
+    assert int(st.verifications) > int(st.accepts)  # at least one reject happened
+    p_old = int(st.p_new) - int(st.fill) + 1
+    seq = st.tokens[:p_old].tolist()
+    assert seq == ids + toks[: p_old - len(ids)]
+    fresh = tiny_target(path)
+    fresh(torch.tensor([seq]), torch.arange(p_old)[None])
+    for la, lb in zip(m.layers, fresh.layers):
+        torch.testing.assert_close(la.attn.k_cache[0, :, :p_old], lb.attn.k_cache[0, :, :p_old], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(la.attn.v_cache[0, :, :p_old], lb.attn.v_cache[0, :, :p_old], atol=1e-5, rtol=1e-5)
+    # the PDM cache holds exactly the depth-n rows of the committed positions
+    fresh_head = random_head(m, b, layers=2)
+    fresh_eng = SPDEngine(fresh, PdmDrafter(fresh_head), b)
+    st2, _ = fresh_eng.start(seq, GREEDY, None)
+    pl = int(st.pdm_len)
+    for la, lb in zip(head.layers, fresh_head.layers):
+        torch.testing.assert_close(la.attn.k_cache[0, :, :pl], lb.attn.k_cache[0, :, :pl], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,85 @@
+"""Our model code vs transformers, staged vs unstaged, GGUF loading."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_target
+from spd_fast.model import make_stages
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_tiny(tiny_checkpoint, family):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(family)
+    ours = tiny_target(path, max_len=128)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 53), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, torch.arange(53)[None])
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_default_model_logits_match_transformers(default_target):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_target.path, dtype=torch.float32).eval()
+    ids = torch.tensor([default_target.encode([{"role": "user", "content": "Name three primary colors."}])])
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = default_target.model(ids, torch.arange(ids.shape[1])[None])
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_incremental_decode_matches_full_forward(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"), max_len=128)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    full = m(ids, torch.arange(40)[None])
+    m(ids[:, :30], torch.arange(30)[None])
+    steps = [m(ids[:, t:t + 1], torch.tensor([[t]]))[0, 0] for t in range(30, 40)]
+    torch.testing.assert_close(torch.stack(steps), full[0, 30:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("boundaries", [(0, 6), (0, 3, 6), (0, 1, 2, 3, 4, 5, 6), (0, 1, 5, 6), (0, 4, 6)],
+                         ids=["n1", "n2", "n6", "uneven-1-4-1", "uneven-4-2"])
+def test_staged_forward_equals_unstaged(tiny_checkpoint, boundaries):
+    m = tiny_target(tiny_checkpoint("llama"), max_len=64)
+    ids = torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(17)[None]
+    ref = m(ids, pos)
+    h = m.embed_tokens(ids)
+    for st in make_stages(m, boundaries):
+        h, _ = st(h, pos)
+    assert torch.equal(m.logits(h), ref)
+
+
+def test_recorded_hidden_states_match_transformers(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("qwen3")
+    m = tiny_target(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+    _, rec = m.run_layers(m.embed_tokens(ids), torch.arange(11)[None], 0, 4, record=(0, 2, 3))
+    for layer in (0, 2, 3):
+        torch.testing.assert_close(rec[layer], hs[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_loader_matches_transformers_gguf_loader():
+    from transformers import AutoModelForCausalLM
+
+    from spd_fast.gguf_loader import read_gguf
+    from spd_fast.store import default_gguf_path
+
+    path = default_gguf_path()
+    cfg, sd = read_gguf(path)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref = hf.state_dict()
+    assert cfg["num_hidden_layers"] == 30 and cfg["tie_word_embeddings"]
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"]:
+        assert torch.equal(sd[name], ref[name]), name

@@ -1,0 +1,117 @@
+"""SPD sampling is lossless: its output distribution equals the target's (statistical tests)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+import spd_fast.engine as engine_mod
+from spd_fast.ar import decode_ar
+from spd_fast.drafters import PdmDrafter
+from spd_fast.engine import SPDEngine
+from spd_fast.ops import verify_sampling
+from spd_fast.sampling import SamplingParams, probs_from_logits, sample_from
+
+P_MIN = 1e-3  # a correct implementation fails this with probability ~0.1% per test
+
+
+def test_verify_sampling_op_reproduces_p():
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    params = SamplingParams(temperature=1.0)
+    p = probs_from_logits(logits, params)
+    q = torch.tensor([0.05, 0.05, 0.5, 0.3, 0.05, 0.05])
+    N = 20000
+    counts = torch.zeros(V)
+    for _ in range(N):
+        x = sample_from(q, g)
+        _, y = verify_sampling(logits, x, q, params, g)
+        counts[y] += 1
+    assert chisquare(counts.numpy(), (p * N).numpy()).pvalue > P_MIN
+
+
+def _tiny_small_vocab(tmp_path_factory):
+    from transformers import LlamaConfig, AutoModelForCausalLM
+
+    from spd_fast.loading import load_hf_dir
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    d = tmp_path_factory.mktemp("smallvocab")
+    hf.save_pretrained(d)
+    m = load_hf_dir(d)
+    m.setup_caches(1, 32)
+    return m
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return _tiny_small_vocab(tmp_path_factory)
+
+
+def _samples(model, method, n_runs, params, positions=(1, 2, 3)):
+    from test_engine import random_head
+
+    b = (0, 2, 4)
+    eng = SPDEngine(model, PdmDrafter(random_head(model, b, seed=3)), b) if method == "spd" else None
+    out = {k: torch.zeros(model.cfg.vocab_size) for k in positions}
+    g = torch.Generator().manual_seed(1234 if method == "spd" else 99)
+    for _ in range(n_runs):
+        if eng is None:
+            toks = decode_ar(model, [1, 2], 4, params, [], g).token_ids
+        else:
+            toks = eng.run([1, 2], 4, params, [], g).token_ids
+        for k in positions:
+            out[k][toks[k]] += 1
+    return out, eng
+
+
+def _same_distribution(a, b) -> float:
+    table = torch.stack([a, b])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table.numpy()).pvalue
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(temperature=1.0, top_p=0.8)], ids=["t1", "t0.7-topk5", "topp0.8"])
+def test_spd_sampling_matches_ar_distribution(small_model, params):
+    ar, _ = _samples(small_model, "ar", 1500, params)
+    sp, eng = _samples(small_model, "spd", 1500, params)
+    m = eng.last_metrics
+    assert 0.05 < m["acceptance_rate"] < 0.95  # the draft really differs from the target
+    for k in ar:
+        assert _same_distribution(ar[k], sp[k]) > P_MIN, k
+
+
+def test_wrong_acceptance_rule_is_detected(small_model, monkeypatch):
+    """Accepting with probability p(x), ignoring q, biases the output: the same test must fail."""
+    def biased(target_logits, draft_token, q, params, generator):
+        p = probs_from_logits(target_logits, params)
+        u = torch.rand((), generator=generator)
+        accept = u < p[draft_token]
+        y = sample_from(p, generator)
+        return accept, torch.where(accept, draft_token, y)
+
+    params = SamplingParams(temperature=1.0)
+    ar, _ = _samples(small_model, "ar", 1500, params)
+    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    sp, _ = _samples(small_model, "spd", 1500, params)
+    assert min(_same_distribution(ar[k], sp[k]) for k in ar) < P_MIN
+
+
+def test_seeded_spd_sampling_reproducible(small_model):
+    from test_engine import random_head
+
+    b = (0, 2, 4)
+    eng = SPDEngine(small_model, PdmDrafter(random_head(small_model, b)), b)
+    p = SamplingParams(temperature=1.0, seed=3)
+    a = eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(3)).token_ids
+    b_ = eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(3)).token_ids
+    assert a == b_
