@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .ar import decode_ar
+from .ar import ArDecoder
 from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
 from .drafters import PdmDrafter
 from .engine import SPDEngine
@@ -19,6 +19,7 @@ from .sampling import SamplingParams, make_generator
 
 HEADS_DIR = Path(__file__).parent / "heads"
 METHODS = ("spd", "ar")
+PLACEMENTS = ("local", "distributed")  # distributed: one stage per torchrun rank (spd_fast/distributed/)
 
 
 @dataclass
@@ -61,15 +62,12 @@ class Engine:
                 ) -> Iterator[int]:
         gen = make_generator(params, self.target.model.device)
         if method == "ar":
-            res_holder: dict[str, Any] = {}
-            toks: list[int] = []
-            res = decode_ar(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen,
-                            on_token=toks.append)
-            res_holder["m"] = res
+            dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+            yield from dec
+            res = dec.result
             self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
-                                                  "decode_seconds": res.decode_seconds,
-                                                  "new_tokens": float(len(res.token_ids))})
-            yield from toks
+                                                 "decode_seconds": res.decode_seconds,
+                                                 "new_tokens": float(len(res.token_ids))})
             return
         if self.spd is None:
             raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
@@ -132,9 +130,18 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int = 3,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
-         progress: bool = True) -> Engine:
+         progress: bool = True, placement: str = "local") -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
-    else a random head with a warning), or "random" (a seeded random head of the right shape)."""
+    else a random head with a warning), or "random" (a seeded random head of the right shape).
+    placement="distributed" (call it on every rank of a torchrun job) loads only this rank's stage."""
+    if placement not in PLACEMENTS:
+        raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "distributed":
+        from .distributed import load_distributed
+
+        return load_distributed(  # type: ignore[return-value]  (a DistributedEngine: same generate())
+            model=model, draft=draft, num_stages=num_stages, boundaries=boundaries, anchors=anchors,
+            draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
     if device != "cpu" and not torch.cuda.is_available():
         raise SpdConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use device='cpu'")
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
@@ -183,11 +190,14 @@ def _cached_engine(**kw: Any) -> Engine:
 def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int = 3,
              method: str = "spd", model: str | None = None, draft: str | None = None,
-             dtype: str = "float32", max_len: int = 2048) -> GenerationOutput | list[GenerationOutput]:
-    """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar")."""
+             dtype: str = "float32", max_len: int = 2048, placement: str = "local"
+             ) -> GenerationOutput | list[GenerationOutput] | None:
+    """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
+    placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
-    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len)
+    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
+                         placement=placement)
     return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
 
 

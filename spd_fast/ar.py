@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -42,33 +42,53 @@ def prefill(model: Transformer, prompt_ids: Sequence[int]) -> torch.Tensor:
     return model(ids, pos)[0, -1]
 
 
-@torch.inference_mode()
+class ArDecoder:
+    """Token-by-token AR decoding as an iterator (for streaming); `result` is set when it ends."""
+
+    def __init__(self, model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None):
+        check_capacity(model, len(prompt_ids), max_new_tokens)
+        self.model, self.prompt_ids, self.max_new = model, list(prompt_ids), max_new_tokens
+        self.params, self.eos, self.gen = params, set(int(e) for e in eos_ids), generator
+        self.result: DecodeResult | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        model, dev = self.model, self.model.device
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tok = next_token(prefill(model, self.prompt_ids), self.params, self.gen)
+            t1 = time.perf_counter()
+            out: list[int] = []
+            pos = torch.tensor([[len(self.prompt_ids)]], device=dev)
+            finished = False
+            decode_time = 0.0
+            while True:
+                t = int(tok)
+                out.append(t)
+                yield t
+                if t in self.eos:
+                    finished = True
+                    break
+                if len(out) >= self.max_new:
+                    break
+                ts = time.perf_counter()
+                with torch.inference_mode():
+                    logits = model(tok.view(1, 1), pos)[0, -1]
+                    tok = next_token(logits, self.params, self.gen)
+                    pos += 1
+                decode_time += time.perf_counter() - ts
+        steps = max(1, len(out) - 1)  # decode steps after the prefill token
+        self.result = DecodeResult(out, t1 - t0, decode_time, finished,
+                                   {"ms_per_token": 1e3 * decode_time / steps,
+                                    "tokens_per_second": (len(out) - 1) / max(decode_time, 1e-9)})
+
+
 def decode_ar(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
               eos_ids: Sequence[int], generator: torch.Generator | None = None,
               on_token: Callable[[int], None] | None = None) -> DecodeResult:
-    check_capacity(model, len(prompt_ids), max_new_tokens)
-    dev = model.device
-    eos = set(int(e) for e in eos_ids)
-    t0 = time.perf_counter()
-    tok = next_token(prefill(model, prompt_ids), params, generator)
-    t1 = time.perf_counter()
-    out: list[int] = []
-    pos = torch.tensor([[len(prompt_ids)]], device=dev)
-    finished = False
-    while True:
-        t = int(tok)
-        out.append(t)
+    dec = ArDecoder(model, prompt_ids, max_new_tokens, params, eos_ids, generator)
+    for t in dec:
         if on_token is not None:
             on_token(t)
-        if t in eos:
-            finished = True
-            break
-        if len(out) >= max_new_tokens:
-            break
-        logits = model(tok.view(1, 1), pos)[0, -1]
-        tok = next_token(logits, params, generator)
-        pos += 1
-    t2 = time.perf_counter()
-    steps = max(1, len(out) - 1)  # decode steps after the prefill token
-    return DecodeResult(out, t1 - t0, t2 - t1, finished,
-                        {"ms_per_token": 1e3 * (t2 - t1) / steps, "tokens_per_second": steps / max(t2 - t1, 1e-9)})
+    assert dec.result is not None
+    return dec.result

@@ -9,6 +9,10 @@ import torch
 
 from .sampling import SamplingParams, probs_from_logits, sample_from
 
+# Where aggregate / verify_greedy run: "torch" (the twins below), "triton", "cpp" or "auto";
+# set it with spd_fast.kernels.set_backend.
+BACKEND = "torch"
+
 
 def aggregate(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Tensor) -> torch.Tensor:
     """anchor_rows [R, m, H], types [R] int64, w_padded [m, H, m*H] -> [R, H].
@@ -16,11 +20,22 @@ def aggregate(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Te
     Row r computes W_{types[r]} · concat(anchors 0..types[r]); anchors above the type meet zero
     columns of the padded weight, and are zeroed too so stale values (even NaN) cannot leak in.
     """
+    if BACKEND != "torch":
+        from .kernels import aggregate as fused
+
+        return fused(anchor_rows, types, w_padded, backend=BACKEND)
+    return aggregate_torch(anchor_rows, types, w_padded)
+
+
+def aggregate_torch(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Tensor) -> torch.Tensor:
     R, m, H = anchor_rows.shape
     keep = torch.arange(m, device=types.device)[None, :] <= types[:, None]            # [R, m]
     x = torch.where(keep[:, :, None], anchor_rows, torch.zeros((), dtype=anchor_rows.dtype,
                                                                  device=anchor_rows.device))
-    return torch.bmm(w_padded[types].to(x.dtype), x.reshape(R, m * H, 1)).squeeze(-1)
+    # One GEMM computes every type's projection of every row (the weight is read once, no
+    # per-row weight gather); then each row keeps the block of its own type.
+    y = torch.nn.functional.linear(x.reshape(R, m * H), w_padded.reshape(m * H, m * H).to(x.dtype))
+    return y.view(R, m, H)[torch.arange(R, device=types.device), types]
 
 
 def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
@@ -40,6 +55,14 @@ def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (accept bool [], corrected token [] = argmax p)."""
+    if BACKEND != "torch":
+        from .kernels import verify_greedy as fused
+
+        return fused(target_logits, draft_token, backend=BACKEND)
+    return verify_greedy_torch(target_logits, draft_token)
+
+
+def verify_greedy_torch(target_logits: torch.Tensor, draft_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.argmax(target_logits, dim=-1)
     return y == draft_token, y
 

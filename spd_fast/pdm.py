@@ -122,10 +122,15 @@ class DraftHead(nn.Module):
     # ---- aggregation -------------------------------------------------------------------------
     def padded_proj(self) -> torch.Tensor:
         """[m, H, m*H]: W_i zero-padded to the full anchor width so rows of mixed types are one bmm."""
+        cached = self.__dict__.get("_padded")
+        if cached is not None and not self.training and not torch.is_grad_enabled():
+            return cached
         m, H = self.dcfg.num_types, self.tcfg.hidden_size
         w = self.proj[0].weight.new_zeros(m, H, m * H)
         for i, p in enumerate(self.proj):
             w[i, :, : (i + 1) * H] = p.weight
+        # inference reuses it (weights are frozen there); training rebuilds it every call
+        self.__dict__["_padded"] = None if self.training else w.detach()
         return w
 
     def aggregate(self, anchor_rows: torch.Tensor, types: torch.Tensor) -> torch.Tensor:

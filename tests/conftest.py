@@ -88,3 +88,33 @@ def tiny_target(path: str, max_len: int = 256, max_batch: int = 1):
     m = load_hf_dir(path)
     m.setup_caches(max_batch, max_len)
     return m
+
+
+# ---- pytest --benchmark ---------------------------------------------------------------------------
+# Benchmark tests live in tests/benchmarks/ (pytest-benchmark). A plain run skips them; with
+# --benchmark only they run. SPD_BENCH_SHORT=1 shrinks them (fewer tokens and rounds) for CI.
+_BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--benchmark", action="store_true", default=False,
+                     help="run only the benchmark tests in tests/benchmarks/ (skipped otherwise); "
+                          "SPD_BENCH_SHORT=1 for a short run")
+
+
+def _is_benchmark(item) -> bool:
+    return os.path.abspath(str(item.path)).startswith(_BENCH_DIR + os.sep)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--benchmark"):
+        keep = [it for it in items if _is_benchmark(it)]
+        dropped = [it for it in items if not _is_benchmark(it)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+        return
+    skip = pytest.mark.skip(reason="benchmark: run with `pytest --benchmark`")
+    for it in items:
+        if _is_benchmark(it):
+            it.add_marker(skip)

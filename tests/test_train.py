@@ -108,3 +108,84 @@ def test_api_refuses_head_for_other_n(tiny_checkpoint, tmp_path):
     init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 3, 6), fingerprint=fp), m.cfg, m.norm), m).save(tmp_path / "h")
     with pytest.raises(SpdConfigError, match="trained for num_stages=2, not 3"):
         spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=3)
+
+
+class _RecordingDrafter:
+    """Computes the PDM's draft logits every cycle (recorded by p_new and fill) but proposes the
+    oracle token, so the pipeline stays full and every steady-state row is visited."""
+
+    def __init__(self, head, reference):
+        from spd_fast.drafters import PdmDrafter, ReferenceDrafter
+
+        self.pdm, self.oracle = PdmDrafter(head), ReferenceDrafter(reference, head.tcfg.vocab_size)
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.head = head
+
+    def prefill(self, engine, st):
+        self.pdm.prefill(engine, st)
+        self.oracle.prefill(engine, st)
+
+    def draft(self, engine, st, params, generator):
+        from spd_fast.model import kv_bound_for
+
+        head, p_new, start = self.head, int(st.p_new), int(st.pdm_len)
+        pos = torch.arange(start, p_new + 1)
+        depth = torch.where(pos < st.p_old, engine.n, st.p_new - pos)
+        g = head.aggregate(st.anchors[start:p_new + 1], engine.depth_type[depth])
+        h = head.tower(g[None], pos[None], kv_bound_for(p_new, head.max_len))
+        self.logits[(p_new, int(st.fill))] = head.draft_logits(h[0, -1])
+        return self.oracle.draft(engine, st, params, generator)
+
+
+@pytest.mark.parametrize("boundaries,anchors,layers", [((0, 2, 4, 6), None, 2), ((0, 1, 5, 6), (0, 1, 6), 1),
+                                                       ((0, 3, 6), None, 2)],
+                         ids=["n3-2layers", "n3-shared-type-1layer", "n2-2layers"])
+def test_training_forward_equals_inference_drafts(tiny_checkpoint, boundaries, anchors, layers):
+    """The trainer's type-0 logits at position t (full fill, and each warm-up fill) equal the draft
+    logits the engine computes when t is the newest token: training sees what inference sees.
+    (When several depths share a type, training places a type at its smallest depth, so with
+    L_s >= 2 the rows of such a type are only approximated, as the spec says; 1 layer is exact.)"""
+    from spd_fast.ar import decode_ar
+    from spd_fast.engine import SPDEngine
+    from spd_fast.sampling import SamplingParams
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    head = init_from_target(DraftHead(DraftConfig.make(m.cfg, boundaries, anchors, layers, 97), m.cfg, m.norm), m, 1)
+    head.eval().requires_grad_(False)
+    with torch.no_grad():  # a non-trivial head: random projections and layers
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    prompt = [4, 8, 15, 16, 23]
+    ref = decode_ar(m, prompt, 12, SamplingParams(), []).token_ids
+    drafter = _RecordingDrafter(head, prompt + ref)
+    SPDEngine(m, drafter, boundaries, head.dcfg.anchors).run(prompt, 12, SamplingParams(), [])
+    tr = PdmTrainer(m, head, TrainConfig())
+    seq = prompt + ref
+    n = len(boundaries) - 1
+    ids = torch.tensor([seq])
+    lens = torch.tensor([len(seq)])
+    checked = 0
+    for fill in sorted({f for _, f in drafter.logits}):
+        with torch.no_grad():
+            s_logits = _student_logits(tr, ids, lens, fill if fill < n else None)
+        for (p_new, f), want in drafter.logits.items():
+            if f == fill and p_new < len(seq):
+                torch.testing.assert_close(s_logits[0, p_new], want, atol=2e-4, rtol=2e-4)
+                checked += 1
+    assert checked >= 10
+
+
+def _student_logits(tr, ids, lens, fill):
+    """The trainer's type-0 draft logits (the same code path as PdmTrainer.loss)."""
+    from spd_fast.train.trainer import _layer_train
+
+    head, B, T, m = tr.head, ids.shape[0], ids.shape[1], tr.m
+    anchors, _, _ = tr.teacher(ids, lens)
+    g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)
+    pos = torch.arange(T).repeat(m)
+    cos, sin = head.rope_cos_train(pos)
+    mask = structured_mask(T, tr.depth_type, fill)[None, None]
+    x = g
+    for i, layer in enumerate(head.layers):
+        x = _layer_train(layer, x, cos[None], sin[None], mask, T if i == len(head.layers) - 1 else m * T)
+    return head.draft_logits(x)

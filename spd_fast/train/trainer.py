@@ -42,14 +42,17 @@ class TrainConfig:
 
 
 def build_draft_vocab(samples: Sequence[dict], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
-    """The `size` most frequent tokens of the responses (+ `always`), sorted by token id."""
-    counts: Counter = Counter()
+    """`always`, then the most frequent response tokens, then the most frequent prompt tokens
+    (then the lowest unused ids) up to `size`; returned sorted by token id."""
+    resp: Counter = Counter()
+    prompt: Counter = Counter()
     for s in samples:
-        counts.update(s["response_ids"])
-    chosen = list(dict.fromkeys([int(a) for a in always] + [t for t, _ in counts.most_common(size)]))[:size]
-    rest = (t for t in range(vocab_size) if t not in set(chosen))
-    while len(chosen) < size:
-        chosen.append(next(rest))
+        resp.update(s["response_ids"])
+        prompt.update(s["prompt_ids"])
+    ranked = [int(a) for a in always] + [t for t, _ in resp.most_common()] + [t for t, _ in prompt.most_common()]
+    chosen = list(dict.fromkeys(ranked))[:size]
+    taken = set(chosen)
+    chosen += [t for t in range(vocab_size) if t not in taken][: size - len(chosen)]
     return torch.tensor(sorted(chosen))
 
 
@@ -102,9 +105,12 @@ class PdmTrainer:
         pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, tg.max_len))
         anchors = self.head.dcfg.anchors
         h, rec = tg.run_layers(tg.embed_tokens(ids), pos, 0, tg.cfg.num_layers, kv_bound=T, record=anchors)
-        logits = tg.logits(h)
+        # full-vocab logits in the compute dtype (bf16 under autocast): only their argmax is needed,
+        # to tell whether the target's choice lies in the draft vocabulary
+        logits = tg.lm_head(tg.norm(h))
         dv = self.head.draft_vocab
-        return [rec[b].float() for b in anchors], torch.log_softmax(logits[..., dv], -1), logits.argmax(-1)
+        return ([rec[b].float() for b in anchors], torch.log_softmax(logits[..., dv].float(), -1),
+                logits.argmax(-1))
 
     def loss(self, ids: torch.Tensor, lens: torch.Tensor, loss_mask: torch.Tensor, fill: int | None
              ) -> tuple[torch.Tensor, dict[str, float]]:

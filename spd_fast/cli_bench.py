@@ -1,0 +1,187 @@
+"""`spd-fast bench` (AR vs SPD decode speed, several n, one run) and `spd-fast eval` (acceptance tables)."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli_common import add_model_options, apply_runtime_options, float_list, int_list, load_engine, positive_int
+from .evaluate import CATEGORIES
+
+
+def add_parsers(sub: Any) -> None:
+    b = sub.add_parser("bench", help="AR vs SPD decode speed for several n, measured in the same run",
+                       description="Decode a small prompt set with the AR baseline once and with SPD for each n; "
+                       "report tokens/s, acceptance, tokens/cycle and the ratio to AR.")
+    b.add_argument("--num-stages", "-n", type=int_list, default=[2, 3], help="comma-separated n (default: 2,3)")
+    b.add_argument("--prompts", type=positive_int, default=1,
+                   help="held-out prompts per category (chat, math, code; default: 1)")
+    b.add_argument("--prompt", action="append", default=[], help="use this user message instead (repeatable)")
+    b.add_argument("--max-new-tokens", type=positive_int, default=32)
+    b.add_argument("--repeats", type=positive_int, default=1, help="decode each prompt this many times")
+    b.add_argument("--temperature", type=float, default=0.0)
+    add_model_options(b)
+    b.add_argument("--out", help="also write the JSON result here (e.g. bench/results/bench.json)")
+    b.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    b.set_defaults(func=run_bench_cli)
+
+    e = sub.add_parser("eval", help="acceptance tables on the held-out prompt sets (chat / math / code)",
+                       description="Acceptance rate, tokens/cycle, equivalent accept length per category and "
+                       "overall, and SPD vs AR tokens/s (AR measured for the first n).")
+    e.add_argument("--num-stages", "-n", type=int_list, default=[3], help="comma-separated n (default: 3)")
+    e.add_argument("--temperatures", type=float_list, default=[0.0], help="comma-separated (default: 0)")
+    e.add_argument("--limit", type=positive_int, default=40, help="prompts per category (default: 40)")
+    e.add_argument("--max-new-tokens", type=positive_int, default=96)
+    e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
+                   help=f"comma-separated subset of {','.join(CATEGORIES)}")
+    e.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
+    add_model_options(e)
+    e.add_argument("--out", help="write <out>.json and <out>.md (e.g. bench/results/acceptance)")
+    e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    e.set_defaults(func=run_eval_cli)
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+def bench_prompts(per_category: int, custom: list[str]) -> list[Any]:
+    if custom:
+        return [[{"role": "user", "content": p}] for p in custom]
+    from .evaluate import load_eval_prompts
+
+    sets = load_eval_prompts(CATEGORIES, per_category)
+    return [[{"role": "user", "content": r["prompt"]}] for c in CATEGORIES for r in sets[c]]
+
+
+def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
+    """AR once (with the first engine), then SPD for every n; greedy SPD is checked against AR."""
+    from .progress import bar
+    from .sampling import SamplingParams
+
+    SamplingParams(args.temperature)  # fail before loading the model
+    prompts = bench_prompts(args.prompts, args.prompt)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    ar_ids: list[list[int]] = []
+    ar = {"decoded": 0.0, "seconds": 0.0}
+    rows: list[dict[str, Any]] = []
+    sources = []
+    for i, n in enumerate(args.num_stages):
+        eng = load_engine(args, n, quiet)
+        sources.append(eng.draft_source)
+        eng.generate(prompts[0], max_new_tokens=4, method="spd")  # warm-up: first-call allocations
+        if i == 0:
+            eng.generate(prompts[0], max_new_tokens=4, method="ar")
+            for r in range(args.repeats):
+                for j, p in enumerate(bar(prompts, "bench AR", enabled=not quiet)):
+                    o = eng.generate(p, seed=j, method="ar", **kw)
+                    ar["decoded"] += o.metrics["new_tokens"] - 1
+                    ar["seconds"] += o.metrics["decode_seconds"]
+                    if r == 0:
+                        ar_ids.append(o.token_ids)
+            ar_tps = ar["decoded"] / max(ar["seconds"], 1e-9)
+            rows.append({"method": "ar", "n": 1, "tokens_per_s": ar_tps, "ms_per_token": 1e3 / max(ar_tps, 1e-9),
+                         "decoded_tokens": int(ar["decoded"])})
+        s = dict.fromkeys(("ver", "acc", "cycles", "decoded", "seconds"), 0.0)
+        identical = True
+        for r in range(args.repeats):
+            for j, p in enumerate(bar(prompts, f"bench SPD n={n}", enabled=not quiet)):
+                o = eng.generate(p, seed=j, method="spd", **kw)
+                m = o.metrics
+                s["ver"] += m["verifications"]
+                s["acc"] += m["accepted"]
+                s["cycles"] += m["cycles"]
+                s["decoded"] += m["new_tokens"] - 1
+                s["seconds"] += m["decode_seconds"]
+                identical &= o.token_ids == ar_ids[j]
+        tps = s["decoded"] / max(s["seconds"], 1e-9)
+        tpc = s["decoded"] / max(s["cycles"], 1)
+        row = {"method": "spd", "n": n, "draft": eng.draft_source, "tokens_per_s": tps,
+               "ms_per_token": 1e3 / max(tps, 1e-9), "acceptance_rate": s["acc"] / max(s["ver"], 1),
+               "tokens_per_cycle": tpc, "equivalent_accept_length": n * tpc,
+               "ms_per_cycle": 1e3 * s["seconds"] / max(s["cycles"], 1), "speedup_vs_ar": tps / max(ar_tps, 1e-9),
+               "decoded_tokens": int(s["decoded"])}
+        if args.temperature == 0:
+            row["identical_to_ar"] = bool(identical)  # greedy SPD must equal greedy AR token for token
+        rows.append(row)
+        del eng
+    import torch
+
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
+            "dtype": args.dtype, "prompts": len(prompts), "repeats": args.repeats,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": _kernel_backend()}
+    return {"meta": meta, "rows": rows}
+
+
+def _kernel_backend() -> str:
+    try:
+        from . import kernels
+
+        return kernels.get_backend()
+    except (ImportError, AttributeError):
+        return "torch"
+
+
+def bench_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| method | n | tok/s | ms/token | acceptance | tokens/cycle | equiv. accept length | ms/cycle | vs AR |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["method"] == "ar":
+            lines.append(f"| AR | - | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | - | - | - | - | 1.00x |")
+        else:
+            lines.append(f"| SPD | {r['n']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | "
+                         f"{r['acceptance_rate']:.3f} | {r['tokens_per_cycle']:.3f} | "
+                         f"{r['equivalent_accept_length']:.2f} | {r['ms_per_cycle']:.1f} | {r['speedup_vs_ar']:.2f}x |")
+    return "\n".join(lines)
+
+
+def run_bench_cli(args: argparse.Namespace) -> int:
+    apply_runtime_options(args)
+    res = run_bench(args, quiet=args.json)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        m = res["meta"]
+        print(f"{m['prompts']} prompts x {m['repeats']}, {m['max_new_tokens']} new tokens, T={m['temperature']}, "
+              f"{m['threads']} threads, {m['dtype']} on {m['device']}, kernels {m['kernels']}, draft {m['draft']}\n")
+        print(bench_table(res["rows"]))
+        if any(r.get("identical_to_ar") is False for r in res["rows"]):
+            print("spd-fast: warning: greedy SPD output differs from AR; this is a bug, please report it",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+# ---- eval ----------------------------------------------------------------------------------------
+def run_eval_cli(args: argparse.Namespace) -> int:
+    from .config import SpdConfigError
+    from .evaluate import evaluate_acceptance, markdown_table, write_results
+    from .sampling import SamplingParams
+
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()]
+    bad = [c for c in cats if c not in CATEGORIES]
+    if bad or not cats:
+        raise SpdConfigError(f"--categories {args.categories!r}: choose a comma-separated subset of "
+                             f"{','.join(CATEGORIES)}")
+    for t in args.temperatures:
+        SamplingParams(t)
+    apply_runtime_options(args)
+    res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
+                              cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
+                              device=args.device, progress=not args.json)
+    if args.out:
+        js, md = write_results(res, args.out)
+        if not args.json:
+            print(f"wrote {js} and {md}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"draft {res['meta']['draft']}, {args.limit} prompts per category, {args.max_new_tokens} new tokens\n")
+        print(markdown_table(res["rows"]))
+    return 0

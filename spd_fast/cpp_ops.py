@@ -1,0 +1,72 @@
+"""The C++ CPU ops (csrc/spd_ops.cpp), built just in time on first use and cached.
+
+`available()` builds once per process (a cached build loads in well under a second); without a
+compiler, or when the build fails, it warns once and returns False, and `spd_fast.kernels` falls
+back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR, else ~/.cache/spd_fast/cpp.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "spd_ops.cpp"
+OPS = ("aggregate_cpp", "verify_greedy_cpp", "verify_sampling_cpp", "draft_sample_cpp")
+_state: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) / "spd_fast" if root else Path.home() / ".cache" / "spd_fast" / "cpp"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"{SOURCE} is missing (the C++ sources ship with the repository, not the wheel)")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    load(name="spd_fast_cpp", sources=[str(SOURCE)], build_directory=str(d), is_python_module=False,
+         # -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions
+         extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         verbose=False)
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    """Shapes for FakeTensor / torch.compile tracing, so the C++ ops stay opaque in a graph."""
+    def rows_out(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = logits.shape[:-1]
+        return logits.new_empty(shape, dtype=torch.bool), logits.new_empty(shape, dtype=torch.long)
+
+    torch.library.register_fake("spd_fast::aggregate_cpp")(
+        lambda rows, types, w: rows.new_empty(rows.shape[0], rows.shape[2]))
+    torch.library.register_fake("spd_fast::verify_greedy_cpp")(lambda logits, draft: rows_out(logits))
+    torch.library.register_fake("spd_fast::verify_sampling_cpp")(
+        lambda logits, draft, q, t, k, p, u: rows_out(logits))
+    torch.library.register_fake("spd_fast::draft_sample_cpp")(
+        lambda logits, vocab, V, t, k, p, u: (logits.new_empty(logits.shape[:-1], dtype=torch.long),
+                                              logits.new_empty(*logits.shape[:-1], V, dtype=torch.float32)))
+
+
+def available() -> bool:
+    """True when the C++ ops are loaded (building them the first time); False with one warning."""
+    if "ok" not in _state:
+        try:
+            _build()
+            _state["ok"] = True
+        except Exception as e:  # no compiler, missing headers, a failed build: the twins still work
+            _state["ok"] = False
+            lines = str(e).strip().splitlines() or [""]
+            why = next((ln for ln in lines if "error" in ln.lower() and "build" not in ln.lower()), lines[-1])
+            warnings.warn(f"spd_fast: C++ CPU ops unavailable ({type(e).__name__}: {why.strip()}); "
+                          "using the PyTorch twins", RuntimeWarning, stacklevel=2)
+    return bool(_state["ok"])
+
+
+def op(name: str):
+    """torch.ops.spd_fast.<name> (call `available()` first)."""
+    return getattr(torch.ops.spd_fast, name)

@@ -1,0 +1,149 @@
+"""`torchrun --nproc-per-node N -m spd_fast.distributed [options]`: SPD with one stage per rank.
+
+Every rank runs this same command; rank 0 prints the output. Exit status: 0 done, 2 a configuration
+problem (same message on every rank), 1 another rank failed or timed out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m spd_fast.distributed",
+                                description="Speculative pipeline decoding with one stage per torch.distributed "
+                                "rank. Launch with torchrun (one process per stage); rank 0 prints the output.")
+    p.add_argument("prompt", nargs="?", help="raw text prompt (no chat template)")
+    p.add_argument("--user", action="append", default=[], help="a user message (chat template; repeatable)")
+    p.add_argument("--system", help="a system message")
+    p.add_argument("--requests", help="JSON file: a list of {prompt | prompt_ids, max_new_tokens, temperature, "
+                   "top_k, top_p, seed, eos_ids} (runs them in order)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--eos-id", type=int, action="append", default=[], help="an extra stop token id (repeatable)")
+    p.add_argument("--model", help="HF checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft head directory or 'random' (default: the shipped head, else random)")
+    p.add_argument("--draft-layers", type=int, default=1, help="decoder layers of a random head (default 1)")
+    p.add_argument("--draft-vocab-size", type=int, default=0, help="draft vocabulary of a random head "
+                   "(default: the full vocabulary)")
+    p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")
+    p.add_argument("--num-stages", type=int, help="must equal the number of processes (default: the world size)")
+    p.add_argument("--boundaries", help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
+    p.add_argument("--anchors", help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per local rank)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a rank waits for a message before declaring its peer lost (default 30)")
+    p.add_argument("--startup-timeout", type=float, default=60.0,
+                   help="the same for joining and loading (default 60)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of the text")
+    p.add_argument("--output", help="also write the JSON results to this file (rank 0)")
+    return p
+
+
+def _requests(args: argparse.Namespace, target: Any) -> list:
+    from ..config import SpdConfigError
+    from ..sampling import SamplingParams
+    from .engine import Request
+
+    if args.requests:
+        with open(args.requests) as f:
+            items = json.load(f)
+    else:
+        if args.prompt is not None and (args.user or args.system):
+            raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
+        if args.prompt is not None:
+            prompt: Any = args.prompt
+        elif args.user:
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                     [{"role": "user", "content": u} for u in args.user]
+        else:
+            raise SpdConfigError("give a prompt: a positional string, --user 'message' or --requests FILE")
+        items = [{"prompt": prompt}]
+    reqs = []
+    for it in items:
+        ids = it["prompt_ids"] if "prompt_ids" in it else target.encode(it["prompt"])
+        params = SamplingParams(it.get("temperature", args.temperature), it.get("top_k", args.top_k),
+                                it.get("top_p", args.top_p), it.get("seed", args.seed))
+        eos = tuple(target.eos_ids) + tuple(it.get("eos_ids", args.eos_id))
+        reqs.append(Request(tuple(int(i) for i in ids), int(it.get("max_new_tokens", args.max_new_tokens)),
+                            params, eos))
+    return reqs
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return None if text is None else [int(x) for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import load_distributed
+    from .launch import shutdown
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
+                           boundaries=_ints(args.boundaries), anchors=_ints(args.anchors),
+                           draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
+                           max_len=args.max_len, seed=args.seed_head, progress=not args.json,
+                           timeout=args.timeout, startup_timeout=args.startup_timeout,
+                           draft_vocab_size=args.draft_vocab_size)
+    if not eng.is_driver:
+        eng.run_requests([])
+        shutdown()
+        return 0
+    try:
+        reqs = _requests(args, eng.target)
+    except Exception:
+        eng.driver.end_call()
+        raise
+    outs = eng.run_requests(reqs)
+    doc = {"num_stages": eng.num_stages, "boundaries": list(eng.boundaries), "draft": eng.draft_source,
+           "rank_stats": {str(r): v for r, v in eng.last_rank_stats.items()},
+           "results": [{"text": o.text, "token_ids": o.token_ids, "finished_by_eos": o.finished_by_eos,
+                        "metrics": o.metrics} for o in outs]}
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        for o in outs:
+            print(o.text)
+            m = o.metrics
+            print(f"-- {int(m['new_tokens'])} tokens, {m['tokens_per_second']:.1f} tok/s, acceptance "
+                  f"{m['acceptance_rate']:.2f}, tokens/cycle {m['tokens_per_cycle']:.2f} (n={eng.num_stages}, "
+                  f"draft {eng.draft_source})", file=sys.stderr)
+    shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import SpdConfigError
+    from .comm import RankFailure
+
+    args = build_parser().parse_args(argv)
+    who = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
+    try:
+        return run(args)
+    except SpdConfigError as e:
+        code, msg = 2, str(e)
+    except RankFailure as e:
+        code, msg = 1, str(e)
+    print(f"spd_fast.distributed: error{who}: {msg}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)  # skip the process-group teardown: a dead peer could make it hang
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""`load_distributed()` and `DistributedEngine`: placement="distributed", one pipeline stage per rank.
+
+Every rank of the job runs the same code (SPMD): `load_distributed(...)` on every rank joins the
+process group, checks that all ranks hold the same checkpoint and options, lets rank 0 choose the
+draft head and stage split, then loads only this rank's layers. `generate(...)` on every rank runs
+the requests: rank 0 returns the outputs, the other ranks serve their stage and return None.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import torch
+
+from ..config import ModelConfig, SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
+from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
+from ..runtime import Prompt, Target, _eos_ids, parse_dtype
+from ..sampling import SamplingParams, make_generator
+from ..store import resolve_model_dir
+from .comm import Links
+from .executor import PipelineDriver, StagePlan, StageWorker
+from .launch import (DistributedConfigError, RankContext, broadcast_from_rank0, check_same, gather_or_fail,
+                     hostname, init_rank)
+from .partial_load import checkpoint_probe, full_weights_fingerprint, load_stage
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    params: SamplingParams
+    eos_ids: tuple[int, ...]
+
+
+def _describe_rank(path: str, dtype: torch.dtype, max_len: int, requested_n: int, boundaries) -> dict[str, Any]:
+    cfg = ModelConfig.from_dir(path)
+    return {"host": hostname(), "path": str(path), "checkpoint": checkpoint_probe(path, cfg), "dtype": str(dtype),
+            "max_len": max_len, "num_stages": requested_n, "boundaries": boundaries}
+
+
+def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boundaries, anchors, draft,
+                   draft_layers: int, draft_vocab_size: int) -> dict[str, Any]:
+    """Rank 0 picks the draft head (which may fix the stage split) and the anchors."""
+    from ..api import shipped_head  # the api imports this package lazily; no cycle at import time
+
+    fp = full_weights_fingerprint(path, cfg, dtype)
+    b = validate_boundaries(tuple(boundaries), cfg.num_layers) if boundaries is not None else \
+        uniform_boundaries(cfg.num_layers, n)
+    source = str(draft)
+    if draft is None:
+        found = shipped_head(SimpleNamespace(fingerprint=fp), n)  # type: ignore[arg-type]
+        if found is None:
+            warnings.warn(f"no shipped draft head for this model at num_stages={n}; using a random head "
+                          "(output is still exact, but few drafts will be accepted)", stacklevel=3)
+            draft = "random"
+        else:
+            draft, source = str(found), f"shipped:{found.name}"
+    if draft == "random":
+        dcfg = DraftConfig.make(cfg, b, anchors, draft_layers, draft_vocab_size, fingerprint=fp)
+        source = "random"
+    else:
+        cfile = Path(draft) / "draft_config.json"
+        if not cfile.is_file():
+            raise SpdConfigError(f"{draft} is not a draft head checkpoint (expected draft_config.json in it)")
+        dcfg = DraftConfig.from_json(cfile.read_text())
+        dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None else None)
+    return {"boundaries": tuple(dcfg.boundaries), "anchors": tuple(dcfg.anchors), "draft": str(draft),
+            "draft_source": source, "fingerprint": fp, "dcfg": dcfg.to_json()}
+
+
+class DistributedEngine:
+    """One pipeline stage per rank. `generate` returns outputs on rank 0 and None on the others."""
+
+    def __init__(self, ctx: RankContext, plan: StagePlan, draft_source: str, target: Target | None,
+                 driver: PipelineDriver | None, worker: StageWorker | None, links: Links | None):
+        self.ctx, self.plan, self.draft_source = ctx, plan, draft_source
+        self.num_stages = plan.n
+        self.boundaries = plan.boundaries
+        self.target, self.driver, self.worker, self.links = target, driver, worker, links
+        self.last_rank_stats: dict[int, list[float]] = {}
+
+    @property
+    def is_driver(self) -> bool:
+        return self.ctx.rank == 0
+
+    def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
+                 eos_ids: Sequence[int] = ()) -> Any:
+        """Call on EVERY rank. Rank 0: GenerationOutput (or a list for a list of prompts); others: None.
+        eos_ids adds stop tokens to the model's own."""
+        if not self.is_driver:
+            self.worker.serve_call()  # type: ignore[union-attr]
+            return None
+        from ..api import _as_batch
+
+        try:  # validate everything before the first message, so a bad input cannot strand the others
+            if method != "spd":
+                raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
+            params = SamplingParams(temperature, top_k, top_p, seed)
+            prompts, single = _as_batch(prompt)
+            eos = tuple(self.target.eos_ids) + tuple(int(e) for e in eos_ids)
+            reqs = [Request(tuple(self.target.encode(p)), max_new_tokens, params, eos) for p in prompts]
+        except Exception:
+            self.driver.end_call()  # type: ignore[union-attr]
+            raise
+        outs = self.run_requests(reqs)
+        return outs[0] if single else outs
+
+    def run_requests(self, reqs: Sequence[Request]) -> Any:
+        """Token-id requests (call on every rank; rank 0's list is the one that counts)."""
+        from ..api import GenerationOutput
+        from ..ar import check_capacity
+
+        if not self.is_driver:
+            self.worker.serve_call()  # type: ignore[union-attr]
+            return None
+        drv = self.driver
+        try:
+            for r in reqs:
+                check_capacity(drv.model, len(r.prompt_ids), r.max_new_tokens, extra=self.num_stages + 1)
+        except Exception:
+            drv.end_call()
+            raise
+        outs = []
+        for r in reqs:
+            gen = make_generator(r.params, self.ctx.device)
+            res = drv.run(list(r.prompt_ids), r.max_new_tokens, r.params, r.eos_ids, gen)
+            res.metrics["num_stages"] = float(self.num_stages)
+            outs.append(GenerationOutput(self.target.decode(res.token_ids), res.token_ids, len(r.prompt_ids),
+                                         res.finished_by_eos, res.metrics))
+        self.last_rank_stats = drv.end_call()
+        return outs
+
+
+def load_distributed(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
+                     num_stages: int | None = None, boundaries: Sequence[int] | None = None,
+                     anchors: Sequence[int] | None = None, draft_layers: int = 1, dtype: str | torch.dtype = "float32",
+                     device: str = "cpu", max_len: int = 2048, seed: int = 0, progress: bool = True,
+                     timeout: float = 30.0, startup_timeout: float = 60.0,
+                     draft_vocab_size: int = 0) -> DistributedEngine:
+    """Call on every rank of a torchrun job. num_stages defaults to the world size and must equal it."""
+    tdtype = parse_dtype(dtype)
+    if not isinstance(max_len, int) or max_len < 8:
+        raise SpdConfigError(f"max_len must be an integer >= 8, got {max_len!r}")
+    ctx = init_rank(device, timeout, startup_timeout)
+    W = ctx.world_size
+    requested = len(boundaries) - 1 if boundaries is not None else (W if num_stages is None else num_stages)
+    bnd = tuple(int(x) for x in boundaries) if boundaries is not None else None
+
+    def resolve() -> str:  # the first rank of each node converts the default GGUF once; the others reuse it
+        return str(resolve_model_dir(model, progress=progress and ctx.rank == 0))
+
+    first = gather_or_fail(ctx, "resolving the model", resolve if ctx.local_rank == 0 else (lambda: None))
+    descs = gather_or_fail(ctx, "reading the checkpoint", lambda: _describe_rank(
+        first[ctx.rank] or resolve(), tdtype, max_len, requested, bnd))
+    path = descs[ctx.rank]["path"]
+    check_same(descs, ("checkpoint",), "ranks hold different checkpoints",
+               "every rank must load the same model (same files on every node)")
+    check_same(descs, ("dtype", "max_len", "num_stages", "boundaries"), "ranks were started with different options",
+               "start every rank with the same arguments")
+    if requested != W:
+        raise DistributedConfigError(
+            f"this job has world size {W} but num_stages={requested}: placement='distributed' runs one stage per "
+            f"rank; start {requested} processes (torchrun --nproc-per-node {requested}) or use num_stages={W}")
+    cfg = ModelConfig.from_dir(path)
+    validate_num_stages(cfg.num_layers, W)
+    info = broadcast_from_rank0(ctx, "choosing the draft head", lambda: _plan_on_rank0(
+        path, cfg, tdtype, W, bnd, anchors, draft, draft_layers, draft_vocab_size))
+    plan = StagePlan(info["boundaries"], info["anchors"])
+
+    def build() -> tuple:
+        s, n = ctx.rank, plan.n
+        net = load_stage(path, cfg, plan.layers(s), embedding=s == 0, head=s == 0 or s == n - 1,
+                         dtype=tdtype, device=ctx.device, max_len=max_len)
+        links = Links(s, ctx.timeout, plan.describe, ctx.device) if n > 1 else None
+        if s != 0:
+            return None, None, StageWorker(s, plan, net, links, tdtype), links
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        target = Target(net, tok, Path(path), _eos_ids(Path(path), cfg, tok), info["fingerprint"])
+        if info["draft_source"] == "random":
+            head = DraftHead(DraftConfig.from_json(info["dcfg"]), cfg, net.norm)
+            head = init_from_target(head, net, seed).to(tdtype).eval().requires_grad_(False)
+        else:
+            head = load_draft(info["draft"], net, info["fingerprint"], n, plan.boundaries, tdtype, ctx.device)
+        return target, PipelineDriver(plan, net, head, links), None, links
+
+    box: dict[str, tuple] = {}  # the built objects stay local; the gather only exchanges success / errors
+    gather_or_fail(ctx, "loading the stages", lambda: box.setdefault("parts", build()) and None)
+    target, driver, worker, links = box["parts"]
+    return DistributedEngine(ctx, plan, info["draft_source"], target, driver, worker, links)

@@ -1,0 +1,126 @@
+"""Acceptance evaluation on the project's held-out prompt sets (chat / math / code).
+
+For each n and temperature: acceptance_rate, tokens_per_cycle and equivalent_accept_length per
+category and overall, plus wall-clock SPD decode tokens/s and, for the first n, the AR baseline
+of the same model measured in the same run. Used by `spd-fast eval` and bench/eval_acceptance.py.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .config import SpdConfigError
+from .progress import bar
+
+CATEGORIES = ("chat", "math", "code")
+_SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok")
+
+
+def load_eval_prompts(categories: Sequence[str] = CATEGORIES, limit: int = 40) -> dict[str, list[dict]]:
+    """category -> the first `limit` records ({"id", "prompt"}) of spd_fast/data/prompts/eval_<category>.jsonl."""
+    from .train.data import PROMPTS_DIR, read_jsonl
+
+    if limit < 1:
+        raise SpdConfigError(f"limit must be >= 1 prompt per category, got {limit}")
+    out = {}
+    for c in categories:
+        if c not in CATEGORIES:
+            raise SpdConfigError(f"unknown prompt category {c!r}; choose from {', '.join(CATEGORIES)}")
+        out[c] = read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")[:limit]
+    return out
+
+
+def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float]) -> dict[str, Any]:
+    tpc = c["decoded"] / max(1, c["cycles"])
+    row: dict[str, Any] = {"n": n, "temperature": temp, "category": cat, "prompts": prompts,
+                           "acceptance_rate": c["acc"] / max(1, c["ver"]), "tokens_per_cycle": tpc,
+                           "equivalent_accept_length": n * tpc,
+                           "spd_tokens_per_s": c["decoded"] / max(1e-9, c["spd_s"])}
+    if c["ar_tok"]:
+        row["ar_tokens_per_s"] = c["ar_tok"] / max(1e-9, c["ar_s"])
+        row["speedup_vs_ar"] = row["spd_tokens_per_s"] / row["ar_tokens_per_s"]
+    return row
+
+
+def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence[float] = (0.0,),
+                        limit: int = 40, max_new_tokens: int = 96, draft: str | None = None,
+                        categories: Sequence[str] = CATEGORIES, with_ar: bool = True, model: str | None = None,
+                        dtype: str = "float32", device: str = "cpu", progress: bool = True,
+                        on_row: Any = None) -> dict[str, Any]:
+    """Run the evaluation; return {"meta": {...}, "rows": [...]} (one row per n, temperature, category
+    and an "overall" row). The AR baseline runs only for the first n (AR does not depend on n).
+    Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
+    import spd_fast
+
+    if not num_stages:
+        raise SpdConfigError("give at least one number of stages, e.g. num_stages=(3,)")
+    prompts = load_eval_prompts(categories, limit)
+    rows: list[dict[str, Any]] = []
+    sources = []
+    for n in num_stages:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
+                                progress=progress)
+        sources.append(eng.draft_source)
+        for temp in temperatures:
+            per_cat = {}
+            for cat, ps in prompts.items():
+                acc = dict.fromkeys(_SUMS, 0.0)
+                for i, rec in enumerate(bar(ps, f"eval n={n} T={temp} {cat}", enabled=progress)):
+                    msgs = [{"role": "user", "content": rec["prompt"]}]
+                    o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="spd")
+                    m = o.metrics
+                    acc["ver"] += m["verifications"]
+                    acc["acc"] += m["accepted"]
+                    acc["cycles"] += m["cycles"]
+                    acc["decoded"] += m["new_tokens"] - 1
+                    acc["spd_s"] += m["decode_seconds"]
+                    if with_ar and n == num_stages[0]:
+                        r = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="ar")
+                        if temp == 0 and r.token_ids != o.token_ids:
+                            raise RuntimeError(f"greedy SPD output differs from AR on prompt {rec.get('id', i)} "
+                                               f"(n={n}); this is a bug, please report it with this prompt")
+                        acc["ar_s"] += r.metrics["decode_seconds"]
+                        acc["ar_tok"] += r.metrics["new_tokens"] - 1
+                per_cat[cat] = acc
+            tot = {k: sum(c[k] for c in per_cat.values()) for k in _SUMS}
+            for cat, c in list(per_cat.items()) + [("overall", tot)]:
+                count = len(prompts[cat]) if cat in prompts else sum(len(v) for v in prompts.values())
+                row = _row(n, temp, cat, count, c)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+        del eng
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
+            "limit": limit, "categories": list(categories)}
+    return {"meta": meta, "rows": rows}
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| n | temp | category | acceptance | tokens/cycle | equiv. accept length | SPD tok/s | AR tok/s "
+             "| SPD/AR |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['temperature']} | {r['category']} | {r['acceptance_rate']:.3f} | "
+                     f"{r['tokens_per_cycle']:.3f} | {r['equivalent_accept_length']:.2f} | "
+                     f"{r['spd_tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', float('nan')):.1f} | "
+                     f"{r.get('speedup_vs_ar', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def write_results(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+    """Write <out>.json and <out>.md (a suffix on `out` is replaced); return both paths."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    js, md = out.with_suffix(".json"), out.with_suffix(".md")
+    js.write_text(json.dumps(result, indent=2))
+    md.write_text(f"draft: {result['meta']['draft']}; {result['meta']}\n\n" + markdown_table(result["rows"]) + "\n")
+    return js, md

@@ -1,0 +1,98 @@
+"""PyTorch twins of the sampling kernels with explicit random inputs, plus the fused-norm twin.
+
+The Triton and C++ sampling ops take their random numbers as a tensor `u` of uniforms in [0, 1)
+drawn by the caller (`uniforms`), so they are deterministic given their inputs and can be compared
+with these twins token for token. Sampling uses the inverse CDF (one uniform per draw) instead of
+the exponential race of `spd_fast.sampling.sample_from` (one random number per vocabulary entry).
+Shapes: one row [V] or a batch of rows [B, V]; u is [..., 2] for verification (acceptance, residual
+draw) and [...] for drafting.
+
+Logit processing (`processed_probs`) is `spd_fast.sampling.probs_from_logits` with one deterministic
+rule for logits tied at the top-p boundary (common with bf16 logits): the whole run of ties is kept
+or dropped together, where torch.sort would keep an arbitrary subset of it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """float32 uniforms in [0, 1) on `device`, for the explicit-random sampling ops."""
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[..., V] non-negative weights, u [...] -> the first index whose running sum exceeds u * total.
+
+    Zero-weight indices are never returned (rounding can push u * total past the last partial sum;
+    then the last positive index is the answer).
+    """
+    cum = torch.cumsum(weights, dim=-1)
+    target = (u * cum[..., -1])[..., None]
+    idx = (cum <= target).sum(-1)
+    V = weights.shape[-1]
+    last = torch.where(weights > 0, torch.arange(V, device=weights.device), 0).amax(-1)
+    return torch.minimum(idx, last)
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[..., V] logits -> fp32 probabilities after temperature, top-k (0: off) and top-p (1: off).
+
+    A token survives top-p iff the mass of the tokens strictly more likely than it is < top_p.
+    Bit-identical to probs_from_logits when no tie straddles the top-p boundary.
+    """
+    x = logits.float() / temperature
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sp = torch.softmax(sorted_x, dim=-1)
+        before = sp.cumsum(-1) - sp
+        # each sorted position looks at the mass before the first member of its run of equal logits
+        first = torch.ones_like(sorted_x, dtype=torch.bool)
+        first[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+        pos = torch.arange(V, device=x.device).expand_as(sorted_x)
+        run_start = torch.where(first, pos, 0).cummax(-1).values
+        drop_sorted = before.gather(-1, run_start) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def draft_sample_explicit(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, temperature: float,
+                          top_k: int, top_p: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits [..., V_d] -> (token id in the full vocabulary [...], q [..., V] fp32).
+
+    q is the processed draft distribution scattered into the full vocabulary (zero elsewhere).
+    """
+    q_d = processed_probs(logits_d, temperature, top_k, top_p)
+    j = sample_inverse_cdf(q_d, u)
+    q = torch.zeros(*q_d.shape[:-1], vocab_size, dtype=q_d.dtype, device=q_d.device)
+    q.scatter_(-1, draft_vocab.expand_as(q_d), q_d)
+    return draft_vocab[j], q
+
+
+def verify_sampling_explicit(target_logits: torch.Tensor, draft_token: torch.Tensor, q: torch.Tensor,
+                             temperature: float, top_k: int, top_p: float,
+                             u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling (spd_fast.ops.verify_sampling) with u[..., 0] for the ratio
+    test and u[..., 1] for the residual draw. -> (accept [...], token to commit [...])."""
+    p = processed_probs(target_logits, temperature, top_k, top_p)
+    x = draft_token[..., None]
+    px, qx = p.gather(-1, x)[..., 0], q.gather(-1, x)[..., 0]
+    accept = u[..., 0] * qx < px
+    resid = (p - q).clamp_min(0)
+    has_mass = resid.sum(-1, keepdim=True) > 0
+    y = sample_inverse_cdf(torch.where(has_mass, resid, p), u[..., 1])
+    return accept, torch.where(accept, draft_token, y)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; -> (RMSNorm(h) with spd_fast.model.RMSNorm's op order, h). Rows [N, H]."""
+    h = x + residual
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(h.dtype), h

@@ -1,0 +1,238 @@
+"""The `spd-fast` CLI (each subcommand, --json, argument errors), `pytest --benchmark`, bench/report.py.
+
+Short runs on the default model (a few tokens, random draft heads). Most commands run in-process
+through `main(argv)`; one subprocess test checks the `python -m spd_fast` entry point.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spd_fast.__main__ import main
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = ("acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "tokens_per_second", "new_tokens",
+           "cycles", "decode_seconds")
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """-> (exit status, stdout, stderr); argparse's SystemExit becomes a status."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---- generate ------------------------------------------------------------------------------------
+def test_generate_json_spd_and_ar(capsys):
+    base = ["generate", "--user", "Name a colour.", "--max-new-tokens", "4", "--draft", "random", "--json"]
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    spd = json.loads(out)
+    assert set(METRICS) <= set(spd["metrics"]) and spd["method"] == "spd" and spd["num_stages"] == 3
+    assert spd["draft"] == "random" and 1 <= len(spd["token_ids"]) <= 4 and spd["metrics"]["new_tokens"] == len(
+        spd["token_ids"])
+    rc, out, err = run_cli(base + ["--method", "ar"], capsys)
+    assert rc == 0, err
+    ar = json.loads(out)
+    assert ar["token_ids"] == spd["token_ids"]  # greedy SPD is token-identical to greedy AR
+    assert ar["metrics"]["tokens_per_second"] > 0
+
+
+def test_generate_streams_then_summary(capsys):
+    rc, out, err = run_cli(["generate", "The capital of France is", "-n", "2", "--max-new-tokens", "4",
+                            "--draft", "random"], capsys)
+    assert rc == 0, err
+    assert out.strip()
+    summary = err.strip().splitlines()[-1]
+    for word in ("tokens", "tok/s", "acceptance", "tokens/cycle", "equivalent accept length", "n=2"):
+        assert word in summary
+
+
+# ---- bench / eval --------------------------------------------------------------------------------
+def test_bench_json_several_n(capsys, tmp_path):
+    rc, out, err = run_cli(["bench", "-n", "2,3", "--prompt", "Hi", "--max-new-tokens", "4", "--draft", "random",
+                            "--json", "--out", str(tmp_path / "bench.json")], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == res["rows"]
+    ar = [r for r in res["rows"] if r["method"] == "ar"]
+    spd = {r["n"]: r for r in res["rows"] if r["method"] == "spd"}
+    assert len(ar) == 1 and sorted(spd) == [2, 3]
+    for r in spd.values():
+        assert r["identical_to_ar"] is True
+        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar[0]["tokens_per_s"])
+        assert {"acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "ms_per_cycle"} <= set(r)
+
+
+def test_eval_json_and_files(capsys, tmp_path):
+    rc, out, err = run_cli(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft", "random", "--json",
+                            "--out", str(tmp_path / "acc")], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    cats = [r["category"] for r in res["rows"]]
+    assert cats == ["chat", "math", "code", "overall"]
+    overall = res["rows"][-1]
+    assert overall["prompts"] == 3 and "ar_tokens_per_s" in overall and "speedup_vs_ar" in overall
+    assert (tmp_path / "acc.json").is_file() and "| overall |" in (tmp_path / "acc.md").read_text()
+
+
+# ---- info ----------------------------------------------------------------------------------------
+def test_info_text_and_json(capsys):
+    rc, out, err = run_cli(["info"], capsys)
+    assert rc == 0, err
+    for word in ("torch", "transformers", "triton", "device", "cpp_ops", "flash_attn", "shipped heads"):
+        assert word in out
+    rc, out, _ = run_cli(["info", "--json"], capsys)
+    d = json.loads(out)
+    assert d["versions"]["torch"] and d["device"] in ("cpu", "cuda")
+    assert {"triton", "flash_attn", "cpp_ops"} <= set(d["accelerations"])
+    assert isinstance(d["cached_models"], list) and isinstance(d["shipped_heads"], list)
+
+
+# ---- train ---------------------------------------------------------------------------------------
+def test_train_help_is_forwarded(capsys):
+    rc, out, _ = run_cli(["train", "--help"], capsys)
+    assert rc == 0 and "--draft-layers" in out and "--num-stages" in out
+
+
+def _tiny_data(path: Path) -> Path:
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"s{i}", "prompt_ids": [rng.randrange(97) for _ in range(6)],
+                                "response_ids": [rng.randrange(97) for _ in range(20)]}) + "\n")
+    return path
+
+
+def test_train_tiny_run(capsys, tmp_path, tiny_checkpoint):
+    out_dir = tmp_path / "run"
+    rc, _, err = run_cli(["train", "--model", tiny_checkpoint("llama"), "--out", str(out_dir), "--data",
+                          str(_tiny_data(tmp_path / "d.jsonl")), "--num-stages", "2", "--steps", "2",
+                          "--warmup", "1", "--draft-vocab", "64", "--batch-tokens", "64", "--max-seq-len", "32"],
+                         capsys)
+    assert rc == 0, err
+    assert (out_dir / "train_config.json").is_file() and '"done": true' in err
+
+
+def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):
+    rc, _, err = run_cli(["train", "--model", tiny_checkpoint("llama"), "--out", str(tmp_path / "o"),
+                          "--data", str(tmp_path / "missing.jsonl")], capsys)
+    assert rc == 2 and "missing.jsonl does not exist" in err
+
+
+# ---- argument errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["generate"], "give a prompt", id="no-prompt"),
+    pytest.param(["generate", "hi", "--user", "x"], "not both", id="prompt-and-user"),
+    pytest.param(["generate", "--system", "be brief"], "--system needs at least one --user", id="system-only"),
+    pytest.param(["generate", "--user", "hi", "--temperature", "-1"], "temperature must be", id="temperature"),
+    pytest.param(["generate", "--user", "hi", "--top-p", "0"], "top_p must be in (0, 1]", id="top-p"),
+    pytest.param(["generate", "--user", "hi", "--num-stages", "0"], "expected a positive integer", id="n-zero"),
+    pytest.param(["generate", "--user", "hi", "--model", "/nonexistent/model"], "does not exist", id="model"),
+    pytest.param(["generate", "--user", "hi", "--method", "tree"], "invalid choice", id="method"),
+    pytest.param(["bench", "-n", "2,x"], "comma-separated list like 2,3,5", id="bench-n"),
+    pytest.param(["bench", "--kernels", "cuda"], "invalid choice: 'cuda'", id="bench-kernels"),
+    pytest.param(["eval", "--categories", "poetry"], "subset of chat,math,code", id="eval-category"),
+    pytest.param(["eval", "--limit", "0"], "expected a positive integer", id="eval-limit"),
+    pytest.param(["frobnicate"], "invalid choice", id="unknown-command"),
+    pytest.param(["train"], "the following arguments are required: --out", id="train-no-out"),
+])
+def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and message in err
+
+
+def test_entry_point_subprocess():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "spd_fast", "info", "--json"], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["versions"]["spd_fast"]
+    r = subprocess.run([sys.executable, "-m", "spd_fast", "generate", "--user", "hi", "--temperature", "-1"],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 2 and "spd-fast: error: temperature must be" in r.stderr
+
+
+# ---- pytest --benchmark --------------------------------------------------------------------------
+def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=600)
+
+
+def test_benchmarks_run_with_flag_and_write_json(tmp_path):
+    js = tmp_path / "bench.json"
+    # the PyTorch twins only: the C++ backend may need a first-time build, which is not this test's business
+    r = _pytest("--benchmark", "-q", "tests/benchmarks/test_bench_ops.py", "-k", "torch", f"--benchmark-json={js}",
+                SPD_BENCH_SHORT="1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "spd_fast benchmarks" in r.stdout
+    benches = json.loads(js.read_text())["benchmarks"]
+    torch_twins = [b for b in benches if b["extra_info"]["backend"] == "torch"]
+    assert len(torch_twins) == len(benches) == 4
+    for b in torch_twins:
+        assert b["extra_info"]["tokens_per_s"] > 0 and b["extra_info"]["speedup_vs_torch_twin"] == 1.0
+        assert b["extra_info"]["short_mode"] is True
+
+
+def test_benchmarks_skipped_without_flag():
+    r = _pytest("-q", "-rs", "tests/benchmarks/test_bench_ops.py")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "passed" not in r.stdout and "skipped" in r.stdout and "pytest --benchmark" in r.stdout
+
+
+def test_benchmark_flag_selects_only_benchmarks():
+    r = _pytest("--benchmark", "--collect-only", "-q", "tests/test_cli.py", "tests/benchmarks/")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "test_bench_ops.py::test_op" in r.stdout and "test_bench_decode.py::test_decode_spd" in r.stdout
+    assert "test_cli.py::" not in r.stdout
+
+
+# ---- bench/report.py -----------------------------------------------------------------------------
+def _report_module():
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _synthetic_results(d: Path) -> None:
+    acc = [{"n": n, "temperature": 0.0, "category": c, "prompts": 2, "acceptance_rate": 0.1 * n,
+            "tokens_per_cycle": 0.5, "equivalent_accept_length": 0.5 * n, "spd_tokens_per_s": 5.0 + n,
+            **({"ar_tokens_per_s": 10.0, "speedup_vs_ar": (5.0 + n) / 10} if n == 2 else {})}
+           for n in (2, 3) for c in ("chat", "math", "code", "overall")]
+    (d / "acceptance.json").write_text(json.dumps({"meta": {"draft": "random", "limit": 2}, "rows": acc}))
+    cyc = [{"n": n, "draft": "random", "ar_step_ms": 50.0, "cycle_ms": 60.0, "stages_ms": 45.0,
+            "slowest_stage_ms": 25.0, "pdm_ms": 10.0, "verify_ms": 2.0, "overhead_ms": 3.0, "overhead_vs_ar_step": 0.06,
+            "tokens_per_cycle": 0.4, "equivalent_accept_length": 0.4 * n} for n in (2, 3)]
+    (d / "cycle.json").write_text(json.dumps({"meta": {}, "rows": cyc}))
+    res = {"hf": {"ms_per_token_median": 65.0, "peak_rss_mib": 900},
+           "ours": {"ms_per_token_median": 50.0, "peak_rss_mib": 800}}
+    (d / "ar_vs_hf.json").write_text(json.dumps({"meta": {"dtype": "float32", "threads": 2}, "speedup": 1.3,
+                                                 "results": res}))
+
+
+def test_report_builds_markdown_and_plots(tmp_path):
+    _synthetic_results(tmp_path)
+    path = _report_module().write_report(tmp_path, tmp_path / "out")
+    text = path.read_text()
+    for png in ("plot_acceptance.png", "plot_tokens_per_s.png", "plot_cycle_breakdown.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000 and png in text
+    assert "`bench.json` not found" in text and "1.30x HF" in text and "| overall |" in text
+
+
+def test_report_with_no_results(tmp_path):
+    assert _report_module().main(["--results", str(tmp_path)]) == 0
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "No results found" in text and "`cycle.json` not found" in text
+    assert not list(tmp_path.glob("*.png"))

@@ -1,0 +1,252 @@
+"""placement="distributed" for real: 2 and 3 CPU processes on gloo, compared with the single-process
+engine (greedy == AR token for token; seeded sampling == SPDEngine with the same seed and head),
+plus rank failures (killed / hung rank) and every launch error a user can hit.
+
+Each job is one `python -m spd_fast.distributed` process per rank with torchrun's environment
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a free port; one test goes through
+torchrun itself and the public `spd_fast.generate(..., placement="distributed")`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spd_fast.ar import decode_ar
+from spd_fast.drafters import PdmDrafter
+from spd_fast.engine import SPDEngine
+from spd_fast.pdm import DraftConfig, DraftHead, init_from_target
+from spd_fast.sampling import SamplingParams, make_generator
+
+MAX_LEN, NEW, DRAFT_VOCAB = 1024, 12, 4096
+HEAD_ARGS = ["--draft", "random", "--draft-vocab-size", str(DRAFT_VOCAB), "--seed-head", "0",
+             "--max-len", str(MAX_LEN), "--threads", "1"]
+GREEDY = SamplingParams()
+SAMPLING = dict(temperature=0.9, top_k=0, top_p=0.95, seed=7)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env.pop("SPD_FAST_FAULT", None)
+    env.update(extra or {})
+    return env
+
+
+class Job:
+    """World-size-n job, one subprocess per rank; stderr goes to files so it can be watched live."""
+
+    def __init__(self, tmp: Path, n: int, args: list[str], per_rank: dict[int, list[str]] | None = None,
+                 env: dict | None = None):
+        port = free_port()
+        self.err = [tmp / f"rank{r}.err" for r in range(n)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "spd_fast.distributed", *args,
+                                        *(per_rank or {}).get(r, [])],
+                                       env=rank_env(r, n, port, env), stdout=subprocess.PIPE,
+                                       stderr=open(self.err[r], "w"), text=True) for r in range(n)]
+        self.exit_time: dict[int, float] = {}
+
+    def wait(self, limit: float, ranks=None) -> None:
+        ranks = range(len(self.procs)) if ranks is None else ranks
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            for r in ranks:
+                if r not in self.exit_time and self.procs[r].poll() is not None:
+                    self.exit_time[r] = time.monotonic()
+            if all(r in self.exit_time for r in ranks):
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError(f"ranks {[r for r in ranks if r not in self.exit_time]} still running after "
+                             f"{limit} s:\n" + "\n".join(self.stderr(r)[-2000:] for r in ranks))
+
+    def stderr(self, r: int) -> str:
+        return self.err[r].read_text()
+
+    def marker_time(self, r: int, text: str, limit: float) -> float:
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            if text in self.stderr(r):
+                return time.monotonic()
+            time.sleep(0.05)
+        raise AssertionError(f"rank {r} never printed {text!r}:\n{self.stderr(r)[-2000:]}")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def one_thread():
+    """The in-process references run beside the rank processes: one thread, like each rank."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def random_head(model, boundaries, anchors=None):
+    dcfg = DraftConfig.make(model.cfg, boundaries, anchors, 1, DRAFT_VOCAB)
+    return init_from_target(DraftHead(dcfg, model.cfg, model.norm), model, 0).eval().requires_grad_(False)
+
+
+# ---- exactness against the single-process engine ------------------------------------------------
+@pytest.mark.parametrize("boundaries,anchors,greedy_prompts", [
+    ((0, 15, 30), None, ("chat", "hi")),
+    ((0, 4, 20, 30), (0, 4, 29), ("one-token", "chat")),  # stage 1 records no anchor: it never reports
+], ids=["n2-uniform", "n3-uneven-silent-stage"])
+def test_distributed_matches_single_process(default_target, tmp_path, one_thread, boundaries, anchors,
+                                            greedy_prompts):
+    m, tg = default_target.model, default_target
+    n = len(boundaries) - 1
+    eos = tuple(tg.eos_ids)
+    chat = tg.encode([{"role": "user", "content": "Write a haiku about rain."}])
+    every = {"chat": chat, "one-token": tg.encode("A"), "hi": tg.encode("Hi there")}  # "A": shorter than n
+    prompts = {k: every[k] for k in greedy_prompts}
+    # EOS mid-pipeline: stop on a token the AR output produces at step 5 (its first occurrence)
+    full = decode_ar(m, chat, NEW, GREEDY, eos).token_ids
+    stop = next(t for t in full[5:] if t not in full[:5])
+
+    reqs = [{"prompt_ids": ids, "max_new_tokens": NEW} for ids in prompts.values()]
+    reqs.append({"prompt_ids": chat, "max_new_tokens": NEW, "eos_ids": [stop]})
+    reqs.append({"prompt_ids": chat, "max_new_tokens": NEW, **SAMPLING})
+    (tmp_path / "req.json").write_text(json.dumps(reqs))
+    out = tmp_path / "out.json"
+    args = [*HEAD_ARGS, "--boundaries", ",".join(map(str, boundaries)), "--requests", str(tmp_path / "req.json"),
+            "--output", str(out), "--json"]
+    if anchors:
+        args += ["--anchors", ",".join(map(str, anchors))]
+    job = Job(tmp_path, n, args)
+    try:  # the single-process references run while the ranks start up
+        refs = {k: full if k == "chat" else decode_ar(m, ids, NEW, GREEDY, eos).token_ids
+                for k, ids in prompts.items()}
+        ref_stop = decode_ar(m, chat, NEW, GREEDY, eos + (stop,)).token_ids
+        assert len(ref_stop) < NEW
+        sp = SamplingParams(**SAMPLING)
+        head = random_head(m, boundaries, anchors)
+        ref_sample = SPDEngine(m, PdmDrafter(head), boundaries, head.dcfg.anchors).run(
+            chat, NEW, sp, eos, make_generator(sp, "cpu"))
+        job.wait(240)
+    finally:
+        job.kill()
+    assert [p.returncode for p in job.procs] == [0] * n, [job.stderr(r)[-3000:] for r in range(n)]
+    doc = json.loads(out.read_text())
+    assert doc["num_stages"] == n and doc["boundaries"] == list(boundaries)
+    res = doc["results"]
+    for name, r in zip(prompts, res):
+        assert r["token_ids"] == refs[name], name
+    stop_res, sample_res = res[len(prompts)], res[len(prompts) + 1]
+    assert stop_res["token_ids"] == ref_stop and stop_res["finished_by_eos"]
+    assert sample_res["token_ids"] == ref_sample.token_ids
+    assert sample_res["metrics"]["accepted"] == ref_sample.metrics["accepted"]
+    assert sample_res["metrics"]["cycles"] == ref_sample.metrics["cycles"]
+    assert set(doc["rank_stats"]) == {str(r) for r in range(1, n)}
+
+
+def test_torchrun_and_public_api(default_target, tmp_path, one_thread):
+    """`torchrun ... script.py` where the script calls spd_fast.generate(..., placement="distributed")."""
+    tg = default_target
+    ref = decode_ar(tg.model, tg.encode("Hi there"), 8, GREEDY, tg.eos_ids).token_ids
+    script = tmp_path / "job.py"
+    script.write_text(  # each rank writes its own file: two ranks printing to one stdout interleave
+        "import json, os, sys, torch, spd_fast\n"
+        "torch.set_num_threads(1)\n"
+        "out = spd_fast.generate('Hi there', max_new_tokens=8, num_stages=2, placement='distributed', "
+        "draft='random', max_len=1024)\n"
+        "with open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json'), 'w') as f:\n"
+        "    json.dump(None if out is None else out.token_ids, f)\n")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script),
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "rank0.json").read_text()) == ref
+    assert json.loads((tmp_path / "rank1.json").read_text()) is None
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+def test_killed_rank_makes_the_others_exit(tmp_path):
+    timeout = 20.0
+    job = Job(tmp_path, 3, [*HEAD_ARGS, "--max-new-tokens", "64", "--timeout", str(timeout), "Hi there"],
+              env={"SPD_FAST_FAULT": "1:3:exit"})
+    job.wait(180)
+    rc = [p.returncode for p in job.procs]
+    assert rc[1] == 17 and rc[0] == 1 and rc[2] == 1, (rc, [job.stderr(r)[-2000:] for r in range(3)])
+    for r in (0, 2):
+        assert "lost rank 1" in job.stderr(r) or "lost rank" in job.stderr(r), job.stderr(r)[-2000:]
+        # "within the timeout": much sooner, the broken connection is noticed at once
+        assert job.exit_time[r] - job.exit_time[1] < timeout, (r, job.exit_time)
+    assert "the connection was lost" in job.stderr(0) + job.stderr(2)
+
+
+def test_hung_rank_times_out_with_a_clear_error(tmp_path):
+    timeout = 4.0
+    job = Job(tmp_path, 2, [*HEAD_ARGS, "--max-new-tokens", "64", "--timeout", str(timeout), "Hi there"],
+              env={"SPD_FAST_FAULT": "1:3:hang"})
+    try:
+        hung_at = job.marker_time(1, "fault injection: hang", 180)
+        job.wait(timeout + 20, ranks=[0])
+    finally:
+        job.kill()
+    err = job.stderr(0)
+    assert job.procs[0].returncode == 1, err[-2000:]
+    assert "lost rank 1 (stage 1, layers 15..29)" in err and f"no message within {timeout:g} s" in err, err[-2000:]
+    assert timeout - 0.5 <= job.exit_time[0] - hung_at <= timeout + 10
+
+
+# ---- launch errors ----------------------------------------------------------------------------------
+def test_missing_rendezvous_settings():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "spd_fast.distributed", "Hi"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert "missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in p.stderr and "torchrun" in p.stderr
+
+
+def test_world_size_must_equal_num_stages(tmp_path):
+    job = Job(tmp_path, 2, [*HEAD_ARGS, "--num-stages", "3", "Hi"])
+    job.wait(120)
+    for r in range(2):
+        assert job.procs[r].returncode == 2
+        assert "world size 2 but num_stages=3" in job.stderr(r), job.stderr(r)[-2000:]
+
+
+def test_mismatched_checkpoints_across_ranks(tmp_path, tiny_checkpoint):
+    job = Job(tmp_path, 2, [*HEAD_ARGS, "Hi"], per_rank={1: ["--model", tiny_checkpoint("llama")]})
+    job.wait(120)
+    for r in range(2):
+        assert job.procs[r].returncode == 2
+        assert "ranks hold different checkpoints" in job.stderr(r), job.stderr(r)[-2000:]
+
+
+def test_placement_is_validated():
+    import spd_fast
+    from spd_fast.distributed import DistributedConfigError
+
+    with pytest.raises(spd_fast.SpdConfigError, match="placement must be one of"):
+        spd_fast.load(placement="cluster")
+    with pytest.raises(spd_fast.SpdConfigError, match="placement must be one of"):
+        spd_fast.generate("Hi", placement="cluster")
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    try:
+        with pytest.raises(DistributedConfigError, match="rendezvous settings"):
+            spd_fast.generate("Hi", num_stages=2, placement="distributed")
+    finally:
+        os.environ.update(saved)

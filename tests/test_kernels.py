@@ -1,0 +1,378 @@
+"""Fused ops: Triton kernels (interpreted on CPU) and C++ ops vs their PyTorch twins vs fp64 oracles,
+sampling kernels by statistics, the backend switch, and the engine's greedy output on every backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from spd_fast import cpp_ops, kernels, ops
+from spd_fast.config import SpdConfigError
+from spd_fast.ops_explicit import add_rmsnorm, draft_sample_explicit, processed_probs, verify_sampling_explicit
+from spd_fast.sampling import SamplingParams, probs_from_logits
+from spd_fast.triton_kernels._common import interpreting
+
+P_MIN = 1e-3  # a correct sampler fails a chi-square test with probability ~0.1%
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+AGG_TOL = [pytest.param(torch.float32, 2e-5, 2e-5, id="fp32"), pytest.param(torch.bfloat16, 3e-2, 3e-2, id="bf16")]
+AGG_SHAPES = [pytest.param(1, 2, 65, id="R1-m2-H65"), pytest.param(3, 4, 65, id="R3-m4-H65"),
+              pytest.param(7, 3, 577, id="R7-m3-H577"), pytest.param(37, 3, 65, id="prefill37")]
+PARAMS = [pytest.param((1.0, 0, 1.0), id="t1"), pytest.param((0.7, 5, 1.0), id="t0.7-k5"),
+          pytest.param((1.0, 0, 0.8), id="p0.8"), pytest.param((0.9, 50, 0.9), id="t0.9-k50-p0.9"),
+          pytest.param((1.3, 1, 1.0), id="k1")]
+LOGIT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def triton_device(device: str) -> str:
+    if device == "cpu" and not interpreting():
+        pytest.skip("TRITON_INTERPRET=0: the Triton kernels are tested on the GPU")
+    return device
+
+
+def stat_device(backend: str) -> str:
+    """The statistical tests run Triton on the GPU when there is one (compiled), else interpreted."""
+    if backend != "triton":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() and not interpreting() else triton_device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    assert cpp_ops.available(), "the C++ ops must build on this machine (gcc is installed)"
+    return lambda name: cpp_ops.op(name)
+
+
+def assert_close_verbose(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, what: str) -> None:
+    """allclose that names the first mismatching indices (and fails on NaN anywhere)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    bad = ~((got - want).abs() <= atol + rtol * want.abs())
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} mismatches, first at {idx}: got "
+                             f"{[got[tuple(i)].item() for i in idx]} want {[want[tuple(i)].item() for i in idx]}")
+
+
+def agg_inputs(R: int, m: int, H: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    types = torch.randint(0, m, (R,), generator=g)
+    if R > 16:  # prefill-like: mostly depth-n rows
+        types[: R - 3] = m - 1
+    x = torch.randn(R, m, H, generator=g)
+    for r in range(R):
+        x[r, types[r] + 1:] = float("nan")  # anchors above a row's type are stale: must not leak
+    w = torch.zeros(m, H, m * H)
+    for i in range(m):
+        w[i, :, : (i + 1) * H] = torch.randn(H, (i + 1) * H, generator=g) / ((i + 1) * H) ** 0.5
+    return x.to(device, dtype), types.to(device), w.to(device, dtype)
+
+
+def agg_fp64(x: torch.Tensor, types: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    R, m, H = x.shape
+    return torch.stack([w[t, :, : (t + 1) * H].double() @ x[r, : t + 1].reshape(-1).double()
+                        for r, t in enumerate(types.tolist())])
+
+
+def probs_fp64(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """The processing rule by its definition, in fp64: keep x_i iff x_i >= the k-th largest and the
+    mass of the strictly larger logits is < p."""
+    x = logits.double() / t
+    if 0 < k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, k).values[..., -1:], float("-inf"))
+    if p < 1:
+        sp = torch.softmax(x, -1)
+        for row, prow in zip(x.view(-1, x.shape[-1]), sp.view(-1, x.shape[-1])):
+            vals, inv = torch.unique(row, return_inverse=True)  # ascending distinct logits
+            mass = torch.zeros(len(vals), dtype=torch.float64).scatter_add_(0, inv, prow)
+            mass_gt = mass.flip(0).cumsum(0).flip(0) - mass
+            row.masked_fill_(mass_gt[inv] >= p, float("-inf"))
+    return torch.softmax(x, -1)
+
+
+# ---- aggregation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("R,m,H", AGG_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", AGG_TOL)
+def test_aggregate_triton_twin_oracle(device, R, m, H, dtype, atol, rtol):
+    from spd_fast.triton_kernels.aggregate import launch_aggregate
+
+    x, types, w = agg_inputs(R, m, H, dtype, triton_device(device))
+    out = torch.full((R, H), float("nan"), dtype=dtype, device=device)
+    got = launch_aggregate(x, types, w, out=out)
+    twin, oracle = ops.aggregate_torch(x, types, w), agg_fp64(x.cpu(), types.cpu(), w.cpu())
+    assert_close_verbose(twin, oracle, atol, rtol, "twin vs fp64")
+    assert_close_verbose(got, oracle, atol, rtol, "triton vs fp64")
+    assert_close_verbose(got, twin, 2 * atol, 2 * rtol, "triton vs twin")
+    # attention-gym's rule: the kernel may not be much worse than eager at the same dtype
+    assert (got.double().cpu() - oracle).abs().max() <= 3 * (twin.double().cpu() - oracle).abs().max() + atol / 4
+
+
+@pytest.mark.parametrize("R,m,H", AGG_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", AGG_TOL)
+def test_aggregate_cpp_twin_oracle(cpp, R, m, H, dtype, atol, rtol):
+    x, types, w = agg_inputs(R, m, H, dtype, "cpu", seed=1)
+    got = cpp("aggregate_cpp")(x, types, w)
+    assert got.dtype == dtype and got.shape == (R, H)
+    assert_close_verbose(got, agg_fp64(x, types, w), atol, rtol, "cpp vs fp64")
+    assert_close_verbose(got, ops.aggregate_torch(x, types, w), 2 * atol, 2 * rtol, "cpp vs twin")
+
+
+def test_aggregate_cpp_mixed_dtypes_and_errors(cpp):
+    x, types, w = agg_inputs(5, 3, 65, torch.float32, "cpu")
+    got = cpp("aggregate_cpp")(x.bfloat16(), types, w)
+    assert_close_verbose(got, ops.aggregate_torch(x.bfloat16(), types, w), 3e-2, 3e-2, "bf16 rows, fp32 W")
+    with pytest.raises(RuntimeError, match="outside"):
+        cpp("aggregate_cpp")(x, torch.full_like(types, 3), w)
+    with pytest.raises(RuntimeError, match="w_padded must be"):
+        cpp("aggregate_cpp")(x, types, w[:, :, :-1])
+
+
+# ---- greedy verification ------------------------------------------------------------------------
+def greedy_inputs(B: int, V: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(V + B)
+    logits = torch.randn(B, V, generator=g)
+    logits[0, V // 3] = logits[0, V - 2] = 9.0  # a tie: the first index wins
+    draft = torch.randint(0, V, (B,), generator=g)
+    draft[0] = V // 3  # one accept, the other rows reject (almost surely)
+    return logits.to(device, dtype), draft.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,V", [(1, 1000), (3, 3001)])
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_verify_greedy_triton_and_cpp(device, B, V, dtype, cpp):
+    from spd_fast.triton_kernels.verify import launch_verify_greedy
+
+    logits, draft = greedy_inputs(B, V, dtype, triton_device(device))
+    want_acc, want_tok = ops.verify_greedy_torch(logits, draft)
+    assert torch.equal(want_tok.cpu(), logits.double().cpu().argmax(-1)) and bool(want_acc[0])
+    out = (torch.zeros(B, dtype=torch.bool, device=device), torch.full((B,), -1, dtype=torch.long, device=device))
+    acc, tok = launch_verify_greedy(logits, draft, out=out)
+    assert torch.equal(tok, want_tok) and torch.equal(acc, want_acc)
+    acc1, tok1 = launch_verify_greedy(logits[1 % B], draft[1 % B])  # one row, 0-d draft token
+    assert tok1.shape == () and int(tok1) == int(want_tok[1 % B])
+    c_acc, c_tok = cpp("verify_greedy_cpp")(logits.cpu(), draft.cpu())
+    assert torch.equal(c_tok, want_tok.cpu()) and torch.equal(c_acc, want_acc.cpu())
+
+
+# ---- sampling verification and draft sampling: token-exact vs the explicit twins ----------------
+def sampling_inputs(B: int, V: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V, generator=g) * 2).to(dtype)
+    q = torch.softmax(torch.randn(B, V, generator=g) * 2, -1)
+    q[:, ::7] = 0  # a draft distribution with holes (draft vocabulary subset)
+    q /= q.sum(-1, keepdim=True)
+    x = torch.multinomial(q, 1, generator=g)[:, 0]
+    u = torch.rand(B, 2, generator=g)
+    return [t.to(device) for t in (logits, x, q, u)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V", [1000, 3001])
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_verify_sampling_triton_and_cpp_match_twin(device, V, params, dtype, cpp):
+    from spd_fast.triton_kernels.verify import launch_verify_sampling
+
+    logits, x, q, u = sampling_inputs(3, V, dtype, triton_device(device), seed=V)
+    want_acc, want_tok = verify_sampling_explicit(logits, x, q, *params, u)
+    out = (torch.zeros(3, dtype=torch.bool, device=device), torch.full((3,), -1, dtype=torch.long, device=device))
+    acc, tok = launch_verify_sampling(logits, x, q, *params, u, out=out)
+    assert torch.equal(tok, want_tok) and torch.equal(acc, want_acc)
+    c_acc, c_tok = cpp("verify_sampling_cpp")(logits.cpu(), x.cpu(), q.cpu(), *params, u.cpu())
+    assert torch.equal(c_tok, want_tok.cpu()) and torch.equal(c_acc, want_acc.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("Vd", [1000, 3001])
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_draft_sample_triton_and_cpp_match_twin_and_oracle(device, Vd, params, dtype, cpp):
+    from spd_fast.triton_kernels.draft_sample import launch_draft_sample
+
+    V = 3001
+    g = torch.Generator().manual_seed(Vd)
+    vocab = torch.randperm(V, generator=g)[:Vd].to(device)
+    logits = (torch.randn(2, Vd, generator=g) * 2).to(device, dtype)
+    u = torch.rand(2, generator=g).to(device)
+    want_tok, want_q = draft_sample_explicit(logits, vocab, V, *params, u)
+    if dtype == torch.float32:  # no ties: the explicit twin's processing is the engine's
+        assert torch.equal(processed_probs(logits, *params), probs_from_logits(logits, SamplingParams(*params)))
+    oracle = torch.zeros(2, V, dtype=torch.float64).scatter_(-1, vocab.cpu().expand(2, Vd), probs_fp64(logits.cpu(), *params))
+    assert_close_verbose(want_q, oracle, 1e-7, 1e-5, "twin q vs fp64")
+    out = (torch.full((2,), -1, dtype=torch.long, device=device),
+           torch.full((2, V), float("nan"), device=device))  # q outside the draft vocabulary must be written too
+    tok, q = launch_draft_sample(logits, vocab, V, *params, u, out=out)
+    assert torch.equal(tok, want_tok)
+    assert_close_verbose(q, oracle, 1e-7, 1e-5, "triton q vs fp64")
+    c_tok, c_q = cpp("draft_sample_cpp")(logits.cpu(), vocab.cpu(), V, *params, u.cpu())
+    assert torch.equal(c_tok, want_tok.cpu())
+    assert_close_verbose(c_q, oracle, 1e-7, 1e-5, "cpp q vs fp64")
+
+
+# ---- statistics: the sampled tokens have the promised distribution ------------------------------
+STAT_LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
+STAT_Q = torch.tensor([0.05, 0.05, 0.4, 0.3, 0.05, 0.05, 0.05, 0.05])
+STAT_PARAMS = [pytest.param(SamplingParams(temperature=1.0), id="t1"),
+               pytest.param(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), id="t0.8-k5-p0.9")]
+
+
+def chi2_pvalue(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(tokens.cpu(), minlength=p.numel()).double()
+    assert counts[p == 0].sum() == 0, "a token outside the processed distribution was produced"
+    keep = p > 0
+    expected = p[keep].double() / p[keep].double().sum() * counts.sum()
+    return chisquare(counts[keep].numpy(), expected.numpy()).pvalue
+
+
+def stat_verify_tokens(backend: str, params: SamplingParams, N: int, q: torch.Tensor, seed: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.multinomial(STAT_Q, N, replacement=True, generator=g)  # drafts really drawn from STAT_Q
+    u = torch.rand(N, 2, generator=g)
+    dev = stat_device(backend)
+    logits, q = STAT_LOGITS.expand(N, -1).contiguous(), q.expand(N, -1).contiguous()
+    return kernels.verify_sampling(logits.to(dev), x.to(dev), q.to(dev), params, u.to(dev), backend=backend)[1]
+
+
+@pytest.mark.parametrize("backend,N", [("triton", 6000), ("cpp", 20000), ("torch", 20000)])
+@pytest.mark.parametrize("params", STAT_PARAMS)
+def test_verify_sampling_reproduces_target_distribution(backend, N, params, cpp):
+    p = probs_from_logits(STAT_LOGITS, params)
+    assert chi2_pvalue(stat_verify_tokens(backend, params, N, STAT_Q), p) > P_MIN
+
+
+def test_chi_square_detects_a_wrong_q():
+    """The statistical test has power: verifying against a q the drafts were not drawn from biases y."""
+    params = SamplingParams(temperature=1.0)
+    wrong_q = torch.full((8,), 1 / 8)
+    p = probs_from_logits(STAT_LOGITS, params)
+    assert chi2_pvalue(stat_verify_tokens("torch", params, 20000, wrong_q), p) < P_MIN
+
+
+@pytest.mark.parametrize("backend,N", [("triton", 6000), ("cpp", 20000), ("torch", 20000)])
+@pytest.mark.parametrize("params", STAT_PARAMS)
+def test_draft_sample_reproduces_q(backend, N, params, cpp):
+    dev = stat_device(backend)
+    vocab = torch.tensor([9, 2, 4, 0, 7, 5, 1, 3])  # draft index -> token id in a vocabulary of 10
+    u = torch.rand(N, generator=torch.Generator().manual_seed(3))
+    tok, q = kernels.draft_sample(STAT_LOGITS.expand(N, -1).contiguous().to(dev), vocab.to(dev), 10, params,
+                                  u.to(dev), backend=backend)
+    tok, q = tok.cpu(), q.cpu()
+    q_d = probs_from_logits(STAT_LOGITS, params)
+    assert_close_verbose(q[0][vocab], q_d, 1e-6, 1e-5, "q on the draft vocabulary")
+    assert q[0].sum() == pytest.approx(1.0, abs=1e-5) and q[0, [6, 8]].abs().sum() == 0
+    inverse = torch.full((10,), -1, dtype=torch.long).scatter_(0, vocab, torch.arange(8))
+    assert chi2_pvalue(inverse[tok], q_d) > P_MIN
+
+
+# ---- fused residual add + RMSNorm ---------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N,H", [(1, 65), (3, 577)])
+@pytest.mark.parametrize("dtype,atol,rtol", [pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+                                             pytest.param(torch.bfloat16, 6e-2, 2e-2, id="bf16")])
+def test_add_rmsnorm_triton_twin_oracle(device, N, H, dtype, atol, rtol):
+    from spd_fast.triton_kernels.rmsnorm import launch_add_rmsnorm
+
+    g = torch.Generator().manual_seed(H)
+    x, r = (torch.randn(N, H, generator=g).to(triton_device(device), dtype) for _ in range(2))
+    w = torch.randn(H, generator=g).to(device, dtype)
+    h64 = x.double() + r.double()
+    oracle = w.double() * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    twin_y, twin_h = add_rmsnorm(x, r, w, 1e-6)
+    out = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
+    y, h = launch_add_rmsnorm(x, r, w, 1e-6, out=out)
+    assert_close_verbose(twin_y, oracle, atol, rtol, "twin vs fp64")
+    assert_close_verbose(y, oracle, atol, rtol, "triton vs fp64")
+    assert_close_verbose(h, twin_h, atol, rtol, "triton h vs twin h")
+
+
+# ---- custom ops, backend switch, errors ---------------------------------------------------------
+def test_custom_ops_are_opaque_to_torch_compile(cpp):
+    triton_device("cpu")
+    import spd_fast.triton_kernels.aggregate  # noqa: F401  (registers the ops)
+    import spd_fast.triton_kernels.verify as tv
+
+    x, types, w = agg_inputs(2, 2, 17, torch.float32, "cpu")
+    logits, draft = greedy_inputs(1, 50, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.spd_fast.aggregate_triton, (x, types, w), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.spd_fast.aggregate_cpp, (x, types, w), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.spd_fast.verify_greedy_cpp, (logits, draft), test_utils=("test_faketensor",))
+
+    def step(lg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        acc, tok = tv.verify_greedy(lg * 2.0, d)
+        return torch.where(acc, tok, -tok)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)  # fullgraph: no graph break
+    assert torch.equal(compiled(logits, draft), step(logits, draft))
+
+
+def test_backend_switch_and_error_messages(monkeypatch):
+    with pytest.raises(SpdConfigError, match="unknown kernel backend 'cuda'"):
+        kernels.set_backend("cuda")
+    with pytest.raises(SpdConfigError, match="CPU tensors only"):
+        kernels.resolve("cpp", torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SpdConfigError, match="need CUDA tensors"):
+        kernels.resolve("triton", torch.device("cpu"))
+    assert kernels.resolve("triton", torch.device("cuda")) == "triton"
+    assert kernels.resolve("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(SpdConfigError, match="greedy decoding uses verify_greedy"):
+        kernels.verify_sampling(STAT_LOGITS, torch.tensor(0), STAT_Q, SamplingParams(), torch.rand(2), backend="torch")
+    assert kernels.get_backend() == "torch"  # the default leaves the engine on the twins
+    with kernels.use_backend("cpp"):
+        assert ops.BACKEND == "cpp"
+    assert ops.BACKEND == "torch"
+
+
+def test_triton_launchers_check_their_arguments():
+    triton_device("cpu")
+    from spd_fast.triton_kernels.aggregate import launch_aggregate
+    from spd_fast.triton_kernels.verify import launch_verify_greedy, launch_verify_sampling
+
+    x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"w_padded must be \[m, H, m\*H\]"):
+        launch_aggregate(x, types, w[:, :, :-1].contiguous())
+    with pytest.raises(ValueError, match="must be contiguous"):
+        launch_aggregate(x.transpose(0, 1).contiguous().transpose(0, 1), types, w)
+    logits, draft = greedy_inputs(2, 100, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="draft_token must be torch.int64"):
+        launch_verify_greedy(logits, draft.int())
+    with pytest.raises(ValueError, match=r"u must have shape \(2, 2\)"):
+        launch_verify_sampling(logits, draft, torch.softmax(logits, -1), 1.0, 0, 1.0, torch.rand(2))
+
+
+def test_cpp_build_failure_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpp_ops, "_state", {})
+    monkeypatch.setattr(cpp_ops, "SOURCE", tmp_path / "missing.cpp")
+    x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
+    before = kernels.calls["aggregate/torch"]
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ CPU ops unavailable") as rec:
+        got = kernels.aggregate(x, types, w, backend="cpp")
+        kernels.aggregate(x, types, w, backend="auto")
+    assert len(rec) == 1 and kernels.calls["aggregate/torch"] == before + 2
+    assert torch.equal(got, ops.aggregate_torch(x, types, w))
+
+
+# ---- the engine: greedy output identical on every backend ---------------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_greedy_identical_across_backends(tiny_checkpoint, n, cpp):
+    triton_device("cpu")
+    from conftest import tiny_target
+    from spd_fast.ar import decode_ar
+    from spd_fast.config import uniform_boundaries
+    from spd_fast.drafters import PdmDrafter
+    from test_engine import random_head, spd
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, n)
+    ids = [3, 14, 15, 92, 65]
+    ref = decode_ar(m, ids, 10, SamplingParams(), []).token_ids
+    outs = {}
+    for backend in ("torch", "triton", "cpp"):
+        before = kernels.calls.copy()
+        with kernels.use_backend(backend):
+            res = spd(m, ids, b, 10, drafter=PdmDrafter(random_head(m, b, layers=2, seed=n)))
+        outs[backend] = res.token_ids
+        if backend != "torch":  # the engine's ops really ran on that backend
+            assert kernels.calls[f"aggregate/{backend}"] > before[f"aggregate/{backend}"]
+            assert kernels.calls[f"verify_greedy/{backend}"] > before[f"verify_greedy/{backend}"]
+    assert outs["torch"] == ref and outs["triton"] == ref and outs["cpp"] == ref
