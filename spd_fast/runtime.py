@@ -51,12 +51,13 @@ class Target:
 
 
 def weights_fingerprint(model: Transformer) -> str:
-    """A cheap identity of the weights: hash of a few strided slices of tensors at both ends."""
+    """A cheap identity of the weights: hash of a few strided slices of tensors at both ends,
+    rounded to bf16 so the same checkpoint loaded in fp32 or bf16 has the same fingerprint."""
     h = hashlib.sha256()
     for t in (model.embed.weight, model.norm.weight, model.layers[-1].mlp.w_down.weight,
               model.layers[0].attn.wqkv.weight):
         flat = t.detach().reshape(-1)
-        h.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+        h.update(flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
