@@ -159,28 +159,6 @@ def test_distributed_matches_single_process(default_target, tmp_path, one_thread
     assert set(doc["rank_stats"]) == {str(r) for r in range(1, n)}
 
 
-def test_torchrun_and_public_api(default_target, tmp_path, one_thread):
-    """`torchrun ... script.py` where the script calls spd_fast.generate(..., placement="distributed")."""
-    tg = default_target
-    ref = decode_ar(tg.model, tg.encode("Hi there"), 8, GREEDY, tg.eos_ids).token_ids
-    script = tmp_path / "job.py"
-    script.write_text(  # each rank writes its own file: two ranks printing to one stdout interleave
-        "import json, os, sys, torch, spd_fast\n"
-        "torch.set_num_threads(1)\n"
-        "out = spd_fast.generate('Hi there', max_new_tokens=8, num_stages=2, placement='distributed', "
-        "draft='random', max_len=1024)\n"
-        "with open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json'), 'w') as f:\n"
-        "    json.dump(None if out is None else out.token_ids, f)\n")
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script),
-                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads((tmp_path / "rank0.json").read_text()) == ref
-    assert json.loads((tmp_path / "rank1.json").read_text()) is None
-
-
 # ---- faults ---------------------------------------------------------------------------------------
 def test_killed_rank_makes_the_others_exit(tmp_path):
     timeout = 20.0

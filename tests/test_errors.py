@@ -104,7 +104,7 @@ def test_prompt_longer_than_cache(tiny_checkpoint):
         decode_ar(m, list(range(30)), 8, SamplingParams(), [])
     with pytest.raises(SpdConfigError, match="in-flight slots"):
         from test_engine import spd
-        spd(m, list(range(20)), (0, 3, 6), 8)
+        spd(m, list(range(22)), (0, 3, 6), 8)  # fits AR (30 <= 32), not the n+1 in-flight slots
 
 
 @pytest.mark.parametrize("kw,msg", [

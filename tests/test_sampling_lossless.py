@@ -60,14 +60,24 @@ def _samples(model, method, n_runs, params, positions=(1, 2, 3)):
     from test_engine import random_head
 
     b = (0, 2, 4)
-    eng = SPDEngine(model, PdmDrafter(random_head(model, b, seed=3)), b) if method == "spd" else None
+    eng = None
+    if method == "spd":
+        head = random_head(model, b, seed=3)
+        with torch.no_grad():  # a sharp draft that clearly differs from the target: q != p
+            head.lm_head.weight.mul_(4.0).add_(torch.randn(head.lm_head.weight.shape,
+                                                           generator=torch.Generator().manual_seed(5)))
+        eng = SPDEngine(model, PdmDrafter(head), b)
+        eng.total = {"ver": 0, "acc": 0}
     out = {k: torch.zeros(model.cfg.vocab_size) for k in positions}
     g = torch.Generator().manual_seed(1234 if method == "spd" else 99)
     for _ in range(n_runs):
         if eng is None:
             toks = decode_ar(model, [1, 2], 4, params, [], g).token_ids
         else:
-            toks = eng.run([1, 2], 4, params, [], g).token_ids
+            res = eng.run([1, 2], 4, params, [], g)
+            toks = res.token_ids
+            eng.total["ver"] += res.metrics["verifications"]
+            eng.total["acc"] += res.metrics["accepted"]
         for k in positions:
             out[k][toks[k]] += 1
     return out, eng
@@ -84,8 +94,8 @@ def _same_distribution(a, b) -> float:
 def test_spd_sampling_matches_ar_distribution(small_model, params):
     ar, _ = _samples(small_model, "ar", 1500, params)
     sp, eng = _samples(small_model, "spd", 1500, params)
-    m = eng.last_metrics
-    assert 0.05 < m["acceptance_rate"] < 0.95  # the draft really differs from the target
+    rate = eng.total["acc"] / eng.total["ver"]
+    assert 0.05 < rate < 0.95  # the draft really differs from the target, and is sometimes right
     for k in ar:
         assert _same_distribution(ar[k], sp[k]) > P_MIN, k
 
@@ -100,9 +110,9 @@ def test_wrong_acceptance_rule_is_detected(small_model, monkeypatch):
         return accept, torch.where(accept, draft_token, y)
 
     params = SamplingParams(temperature=1.0)
-    ar, _ = _samples(small_model, "ar", 1500, params)
+    ar, _ = _samples(small_model, "ar", 2000, params)
     monkeypatch.setattr(engine_mod, "verify_sampling", biased)
-    sp, _ = _samples(small_model, "spd", 1500, params)
+    sp, _ = _samples(small_model, "spd", 2000, params)
     assert min(_same_distribution(ar[k], sp[k]) for k in ar) < P_MIN
 
 
