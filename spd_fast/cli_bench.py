@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import add_model_options, apply_runtime_options, float_list, int_list, load_engine, positive_int
-from .evaluate import CATEGORIES
+from .evaluate import CATEGORIES, add_spd_metrics
 
 
 def add_parsers(sub: Any) -> None:
@@ -88,12 +88,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
         for r in range(args.repeats):
             for j, p in enumerate(bar(prompts, f"bench SPD n={n}", enabled=not quiet)):
                 o = eng.generate(p, seed=j, method="spd", **kw)
-                m = o.metrics
-                s["ver"] += m["verifications"]
-                s["acc"] += m["accepted"]
-                s["cycles"] += m["cycles"]
-                s["decoded"] += m["new_tokens"] - 1
-                s["seconds"] += m["decode_seconds"]
+                add_spd_metrics(s, o.metrics, "seconds")
                 identical &= o.token_ids == ar_ids[j]
         tps = s["decoded"] / max(s["seconds"], 1e-9)
         tpc = s["decoded"] / max(s["cycles"], 1)

@@ -36,6 +36,15 @@ def load_eval_prompts(categories: Sequence[str] = CATEGORIES, limit: int = 40) -
     return out
 
 
+def add_spd_metrics(acc: dict[str, float], m: dict[str, float], seconds_key: str = "spd_s") -> None:
+    """Add one SPD run's raw counts to a running sum (pooled rates, not averages of rates)."""
+    acc["ver"] += m["verifications"]
+    acc["acc"] += m["accepted"]
+    acc["cycles"] += m["cycles"]
+    acc["decoded"] += m["new_tokens"] - 1
+    acc[seconds_key] += m["decode_seconds"]
+
+
 def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float]) -> dict[str, Any]:
     tpc = c["decoded"] / max(1, c["cycles"])
     row: dict[str, Any] = {"n": n, "temperature": temp, "category": cat, "prompts": prompts,
@@ -76,12 +85,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                 for i, rec in enumerate(bar(ps, f"eval n={n} T={temp} {cat}", enabled=progress)):
                     msgs = [{"role": "user", "content": rec["prompt"]}]
                     o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="spd")
-                    m = o.metrics
-                    acc["ver"] += m["verifications"]
-                    acc["acc"] += m["accepted"]
-                    acc["cycles"] += m["cycles"]
-                    acc["decoded"] += m["new_tokens"] - 1
-                    acc["spd_s"] += m["decode_seconds"]
+                    add_spd_metrics(acc, o.metrics)
                     if with_ar and n == num_stages[0]:
                         r = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="ar")
                         if temp == 0 and r.token_ids != o.token_ids:

@@ -84,9 +84,7 @@ def test_cycle_accounting_oracle_and_wrong(tiny_checkpoint, n):
     wrong = spd(m, ids, b, new, drafter=ReferenceDrafter(ids + ref, 97, "wrong"))
     assert wrong.token_ids == ref
     mw = wrong.metrics
-    assert mw["acceptance_rate"] == (1.0 if n == 1 else 0.0) or n == 1
-    if n > 1:
-        assert mw["acceptance_rate"] == 0.0
+    assert mw["acceptance_rate"] == 0.0
     assert mw["cycles"] == n * (new - 1)  # every token costs n cycles
     assert mw["tokens_per_cycle"] == pytest.approx(1 / n)
     assert mw["equivalent_accept_length"] == pytest.approx(1.0)

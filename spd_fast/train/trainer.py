@@ -135,7 +135,7 @@ class PdmTrainer:
         denom = w.sum().clamp_min(1.0)
         loss = (kl * w).sum() / denom
         agree = ((head.draft_vocab[s_logp.argmax(-1)] == t_arg).float() * w).sum() / denom
-        return loss, {"loss": float(loss), "top1": float(agree), "tokens": float(w.sum())}
+        return loss, {"loss": float(loss.detach()), "top1": float(agree), "tokens": float(w.sum())}
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, float]:
         c = self.cfg
