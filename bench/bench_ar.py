@@ -10,6 +10,7 @@ import json
 import platform
 import resource
 import statistics
+import os
 import subprocess
 import sys
 import time
@@ -70,27 +71,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--worker", choices=["ours", "hf"])
+    p.add_argument("--no-dense", action="store_true", help="skip the fp32-weights (SPD_FAST_PACKED=0) row")
     p.add_argument("--out", default="bench/results/ar_vs_hf.json")
     a = p.parse_args(argv)
     if a.worker:
         print(json.dumps(_worker(a.worker, a.threads, a.new_tokens, a.repeats, a.dtype)))
         return 0
     res = {}
-    for impl in ("hf", "ours"):
+    # ours: GGUF-packed decode weights (the default); ours_dense: the same runtime on the fp32 copy
+    rows = {"hf": ("hf", "1"), "ours_dense": ("ours", "0"), "ours": ("ours", "1")}
+    if a.no_dense:
+        rows.pop("ours_dense")
+    for key, (impl, packed) in rows.items():
         out = subprocess.run([sys.executable, __file__, "--worker", impl, "--threads", str(a.threads), "--new-tokens",
                               str(a.new_tokens), "--repeats", str(a.repeats), "--dtype", a.dtype],
-                             capture_output=True, text=True, check=True)
-        res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
+                             capture_output=True, text=True, check=True, env={**os.environ, "SPD_FAST_PACKED": packed})
+        res[key] = json.loads(out.stdout.strip().splitlines()[-1])
     speedup = res["hf"]["ms_per_token_median"] / res["ours"]["ms_per_token_median"]
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "threads": a.threads, "dtype": a.dtype, "new_tokens": a.new_tokens, "repeats": a.repeats}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": res, "speedup": speedup}, indent=2))
     print(f"| impl | ms/token (median) | tokens/s | peak RSS MiB |\n|---|---|---|---|")
-    for k in ("hf", "ours"):
+    for k in rows:
         r = res[k]
         print(f"| {k} | {r['ms_per_token_median']:.1f} | {1e3 / r['ms_per_token_median']:.1f} | {r['peak_rss_mib']:.0f} |")
     print(f"spd_fast AR is {speedup:.2f}x HF transformers ({a.dtype}, {a.threads} threads, batch 1)")
+    if "ours_dense" in res:
+        print(f"(on the fp32 weight copy, SPD_FAST_PACKED=0: "
+              f"{res['hf']['ms_per_token_median'] / res['ours_dense']['ms_per_token_median']:.2f}x)")
     return 0
 
 

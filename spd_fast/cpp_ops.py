@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "spd_ops.cpp"
-OPS = ("aggregate_cpp", "verify_greedy_cpp", "verify_sampling_cpp", "draft_sample_cpp")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = CSRC / "spd_ops.cpp"
+SOURCES = (SOURCE, CSRC / "gguf_linear.cpp")
+OPS = ("aggregate_cpp", "verify_greedy_cpp", "verify_sampling_cpp", "draft_sample_cpp", "q4_1_linear", "q8_0_linear")
 _state: dict[str, object] = {}
 
 
@@ -25,11 +27,12 @@ def build_dir() -> Path:
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
-    if not SOURCE.is_file():
-        raise FileNotFoundError(f"{SOURCE} is missing (the C++ sources ship with the repository, not the wheel)")
+    for src in SOURCES:
+        if not src.is_file():
+            raise FileNotFoundError(f"{src} is missing (the C++ sources ship with the repository, not the wheel)")
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    load(name="spd_fast_cpp", sources=[str(SOURCE)], build_directory=str(d), is_python_module=False,
+    load(name="spd_fast_cpp", sources=[str(s) for s in SOURCES], build_directory=str(d), is_python_module=False,
          # -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions
          extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
          verbose=False)
@@ -50,6 +53,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("spd_fast::draft_sample_cpp")(
         lambda logits, vocab, V, t, k, p, u: (logits.new_empty(logits.shape[:-1], dtype=torch.long),
                                               logits.new_empty(*logits.shape[:-1], V, dtype=torch.float32)))
+    torch.library.register_fake("spd_fast::q4_1_linear")(lambda x, qs, d, m: x.new_empty(x.shape[0], d.shape[0]))
+    torch.library.register_fake("spd_fast::q8_0_linear")(lambda x, qs, d: x.new_empty(x.shape[0], d.shape[0]))
 
 
 def available() -> bool:

@@ -26,13 +26,35 @@ def kv_bound_for(max_position: int, max_len: int) -> int:
     return min(max_len, (max_position // KV_BLOCK + 1) * KV_BLOCK)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can also hold GGUF-packed blocks of its weight (spd_fast/packed.py): calls of
+    at most packed.MAX_ROWS fp32 rows without autograd or autocast (the decode steps) read those
+    instead of the fp32 weight; every other call (prefill, training) is F.linear."""
+
+    packed: dict | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if (p is not None and x.dtype == torch.float32 and x.numel() <= 16 * x.shape[-1]
+                and not (torch.is_grad_enabled() and x.requires_grad) and not torch.is_autocast_enabled("cpu")):
+            from .packed import packed_linear
+
+            y = packed_linear(x, p)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    fused = False  # set by packed.enable_fused_ops: decode rows go through one C++ op
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == torch.float32 and x.numel() <= 16 * x.shape[-1] and not torch.is_grad_enabled():
+            return torch.ops.spd_fast.rms_norm_rows(x.contiguous(), self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, cast, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -65,6 +87,12 @@ def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tens
     return emb.cos(), emb.sin()
 
 
+def attention_mask(positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
+    """[B, 1, T, kv_bound] bool: a query at position p sees cache slots <= p."""
+    slots = torch.arange(kv_bound, device=positions.device)
+    return slots[None, None, None, :] <= positions[:, None, :, None]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, D]; cos/sin [B, T, D] (fp32). Half-split rotation, as in HF checkpoints."""
     d = x.shape[-1] // 2
@@ -79,24 +107,29 @@ class Attention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
-        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.wo = Linear(q_out, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.fused = False  # set by packed.enable_fused_ops: few-query attention as one C++ op
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_bound: int) -> torch.Tensor:
+                kv_bound: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: [B, 1, T, kv_bound] bool (slot <= position), shared by all layers of one call."""
         B, T, _ = x.shape
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
         qkv = self.wqkv(x)
-        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(B, T, self.nh, self.hd)
-        k = k.view(B, T, self.nkv, self.hd)
-        v = v.view(B, T, self.nkv, self.hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = qkv.split([nq, nk, nk], dim=-1)
+            q, k = self.q_norm(q.view(B, T, self.nh, self.hd)), self.k_norm(k.view(B, T, self.nkv, self.hd))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one rotation for the q and k heads together (elementwise: same numbers as two calls)
+            qk = apply_rope(qkv[..., : nq + nk].view(B, T, self.nh + self.nkv, self.hd), cos, sin)
+            q, k = qk[:, :, : self.nh], qk[:, :, self.nh:]
+            v = qkv[..., nq + nk:]
+        v = v.view(B, T, self.nkv, self.hd)
         kc, vc = self.k_cache, self.v_cache
         assert kc is not None, "call Transformer.setup_caches() before the forward"
         b_idx = torch.arange(B, device=x.device)[:, None]
@@ -104,8 +137,11 @@ class Attention(nn.Module):
         kc[b_idx, :, positions] = k.to(kc.dtype)
         vc[b_idx, :, positions] = v.to(vc.dtype)
         keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
-        slots = torch.arange(kv_bound, device=x.device)
-        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        if self.fused and T <= 8 and q.dtype == torch.float32 and not torch.is_grad_enabled():
+            o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions, kv_bound)
+            return self.wo(o.reshape(B, T, self.nh * self.hd))
+        if mask is None:
+            mask = attention_mask(positions, kv_bound)
         if T <= 8:
             o = self._decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
         else:
@@ -131,8 +167,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
@@ -147,8 +183,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, cos, sin, kv_bound):
-        x = x + self.attn(self.attn_norm(x), positions, cos, sin, kv_bound)
+    def forward(self, x, positions, cos, sin, kv_bound, mask=None):
+        x = x + self.attn(self.attn_norm(x), positions, cos, sin, kv_bound, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -161,7 +197,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.max_len = 0
@@ -203,11 +239,12 @@ class Transformer(nn.Module):
         if kv_bound is None:
             kv_bound = kv_bound_for(int(positions.max()), self.max_len)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = attention_mask(positions, kv_bound)
         recorded: dict[int, torch.Tensor] = {}
         if start in record:
             recorded[start] = h
         for li in range(start, end):
-            h = self.layers[li](h, positions, cos, sin, kv_bound)
+            h = self.layers[li](h, positions, cos, sin, kv_bound, mask)
             if li + 1 in record:
                 recorded[li + 1] = h
         return h, recorded

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, SpdConfigError, validate_boundaries
-from .model import DecoderLayer, RMSNorm, rope_tables
+from .model import DecoderLayer, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
 
@@ -161,8 +161,9 @@ class DraftHead(nn.Module):
     def tower(self, g: torch.Tensor, positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
         """g [B, R, H] at `positions` [B, R] through the decoder layers (writes their K/V)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = attention_mask(positions, kv_bound)
         for layer in self.layers:
-            g = layer(g, positions, cos, sin, kv_bound)
+            g = layer(g, positions, cos, sin, kv_bound, mask)
         return g
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,10 @@ def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype
 
     path = resolve_model_dir(model, progress=progress)
     net = load_hf_dir(path, parse_dtype(dtype), device)
+    from .packed import enable_fused_ops, maybe_attach
+
+    maybe_attach(net, path)  # GGUF models decode from their packed Q4_1/Q8_0 blocks (packed.py)
+    enable_fused_ops(net)
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:

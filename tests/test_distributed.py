@@ -159,6 +159,33 @@ def test_distributed_matches_single_process(default_target, tmp_path, one_thread
     assert set(doc["rank_stats"]) == {str(r) for r in range(1, n)}
 
 
+def test_torchrun_and_public_api(default_target, tmp_path, one_thread):
+    """`torchrun ... job.py` where job.py calls spd_fast.generate(..., placement="distributed"):
+    rank 0 gets the AR-identical output, the other rank None."""
+    tg = default_target
+    ref = decode_ar(tg.model, tg.encode("Hi there"), 8, GREEDY, tg.eos_ids).token_ids
+    script = tmp_path / "job.py"
+    script.write_text(  # each rank writes its own file: two ranks printing to one stdout interleave
+        "import json, os, sys, torch, spd_fast\n"
+        "torch.set_num_threads(1)\n"
+        "out = spd_fast.generate('Hi there', max_new_tokens=8, num_stages=2, placement='distributed', "
+        "draft='random', max_len=1024)\n"
+        "doc = {'rank': os.environ['RANK'], 'type': type(out).__name__, "
+        "'tokens': None if out is None else out.token_ids}\n"
+        "with open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json'), 'w') as f:\n"
+        "    json.dump(doc, f)\n")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SPD_FAST_FAULT")}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script),
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    docs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert docs[0] == {"rank": "0", "type": "GenerationOutput", "tokens": ref}, (docs, p.stderr[-3000:])
+    assert docs[1] == {"rank": "1", "type": "NoneType", "tokens": None}, docs
+
+
 # ---- faults ---------------------------------------------------------------------------------------
 def test_killed_rank_makes_the_others_exit(tmp_path):
     timeout = 20.0

@@ -342,7 +342,7 @@ def test_triton_launchers_check_their_arguments():
 
 def test_cpp_build_failure_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_ops, "_state", {})
-    monkeypatch.setattr(cpp_ops, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(cpp_ops, "SOURCES", (tmp_path / "missing.cpp",))
     x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
     before = kernels.calls["aggregate/torch"]
     with pytest.warns(RuntimeWarning, match=r"C\+\+ CPU ops unavailable") as rec:

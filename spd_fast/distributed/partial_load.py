@@ -123,6 +123,10 @@ def load_stage(path: str | Path, cfg: ModelConfig, layers: range, *, embedding: 
     model.max_len = max_len
     cos, sin = rope_tables(cfg, max_len + 1)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    from ..packed import enable_fused_ops, maybe_attach
+
+    maybe_attach(model, Path(path))  # same decode kernels as a single-process model: same numerics
+    enable_fused_ops(model)
     return model
 
 

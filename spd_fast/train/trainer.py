@@ -112,10 +112,44 @@ class PdmTrainer:
         return ([rec[b].float() for b in anchors], torch.log_softmax(logits[..., dv].float(), -1),
                 logits.argmax(-1))
 
-    def loss(self, ids: torch.Tensor, lens: torch.Tensor, loss_mask: torch.Tensor, fill: int | None
+    def teacher_from_cache(self, ids: torch.Tensor, states: torch.Tensor, layers: Sequence[int]
+                           ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """From cached states ([B, T, k, H] at `layers`): the anchor states (h^0 is the embedding,
+        recomputed) and h^L, from which the teacher distribution over V_d is rebuilt on the loss rows."""
+        tg = self.target
+        with torch.no_grad():
+            anchors = [tg.embed_tokens(ids).float() if b == 0 else states[:, :, layers.index(b)].float()
+                       for b in self.head.dcfg.anchors]
+            h_last = states[:, :, layers.index(tg.cfg.num_layers)].float()
+        return anchors, h_last
+
+    def _teacher_lm_head(self) -> torch.Tensor:
+        """The target's LM-head rows of the draft vocabulary (frozen; cached per draft vocabulary)."""
+        dv = self.head.draft_vocab
+        if getattr(self, "_w_dv_key", None) is not dv:
+            self._w_dv, self._w_dv_key = self.target.lm_head.weight.detach()[dv].contiguous(), dv
+        return self._w_dv
+
+    def loss(self, ids: torch.Tensor, lens: torch.Tensor, loss_mask: torch.Tensor, fill: int | None,
+             cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None
              ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`cached` = (states [B, T, k, H], full-vocabulary target argmax [B, T], recorded layers) from
+        the feature cache; without it the teacher runs live."""
         head, B, T, m = self.head, ids.shape[0], ids.shape[1], self.m
-        anchors, t_logp, t_arg = self.teacher(ids, lens)
+        if cached is None:
+            anchors, t_logp_all, t_arg = self.teacher(ids, lens)
+        else:
+            anchors, h_last = self.teacher_from_cache(ids, cached[0], cached[2])
+            t_arg = cached[1]
+        # loss rows: assistant positions whose target argmax lies in the draft vocabulary; the LM
+        # head, the softmaxes and the KL run on these rows only
+        sel = (loss_mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
+        if cached is None:
+            t_logp = t_logp_all.reshape(B * T, -1)[sel]
+        else:
+            with torch.no_grad():
+                hl = h_last.reshape(B * T, -1)[sel]
+                t_logp = torch.log_softmax(F.linear(self.target.norm(hl), self._teacher_lm_head()).float(), -1)
         # type copies: copy a = W_a · concat(anchors 0..a)
         g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)  # [B, mT, H]
         pos = torch.arange(T).repeat(m)
@@ -128,16 +162,21 @@ class PdmTrainer:
         L = len(head.layers)
         for i, layer in enumerate(head.layers):
             x = _layer_train(layer, x, cos, sin, mask, T if i == L - 1 else m * T)
-        s_logp = torch.log_softmax(head.draft_logits(x), -1)                     # [B, T, V_d]
-        in_vocab = torch.isin(t_arg, head.draft_vocab)
-        w = (loss_mask & in_vocab).float()
-        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-        denom = w.sum().clamp_min(1.0)
-        loss = (kl * w).sum() / denom
-        agree = ((head.draft_vocab[s_logp.argmax(-1)] == t_arg).float() * w).sum() / denom
-        return loss, {"loss": float(loss.detach()), "top1": float(agree), "tokens": float(w.sum())}
+        s_logits = head.draft_logits(x.reshape(B * T, -1)[sel])                        # [N, V_d]
+        denom = max(int(sel.numel()), 1)
+        # KL(p_t || p_s) = CE(p_t, p_s) - H(p_t); H(p_t) does not depend on the head, so the gradient
+        # is that of the fused soft-target cross-entropy (one pass each way over [N, V_d])
+        p_t = t_logp.exp()
+        ce = F.cross_entropy(s_logits, p_t, reduction="sum")
+        with torch.no_grad():
+            ent = -(p_t * t_logp).sum()
+        loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
+        kl = (ce.detach() - ent) / denom
+        agree = (head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]).float().sum() / denom
+        return loss, {"loss": float(kl), "top1": float(agree), "tokens": float(sel.numel())}
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None) -> dict[str, float]:
         c = self.cfg
         fill = None
         if self.n > 1 and self.rng.random() < c.fill_aug:
@@ -146,7 +185,7 @@ class PdmTrainer:
             gparam["lr"] = self.lr_at(self.step)
         self.head.train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
-            loss, stats = self.loss(*batch, fill=fill)
+            loss, stats = self.loss(*batch, fill=fill, cached=cached)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
@@ -213,11 +252,29 @@ def collate(batch: list[dict], max_seq_len: int) -> tuple[torch.Tensor, torch.Te
     return ids, torch.tensor([len(s) for s in seqs]), mask
 
 
+def collate_cached(batch: list[dict], max_seq_len: int, cache
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """`collate` plus the batch's cached teacher states [B, T, k, H] and full-vocabulary argmax [B, T]."""
+    ids, lens, mask = collate(batch, max_seq_len)
+    B, T = ids.shape
+    states = torch.zeros(B, T, len(cache.layers), cache.states.shape[-1], dtype=torch.float16)
+    arg = torch.zeros(B, T, dtype=torch.long)
+    for r, s in enumerate(batch):
+        st, am = cache.get(s["_idx"])
+        states[r, : st.shape[0]] = st
+        arg[r, : am.shape[0]] = am
+    return (ids, lens, mask), (states, arg, cache.layers)
+
+
 def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
           boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
           draft_vocab_size: int = 16384, cfg: TrainConfig = TrainConfig(), resume: bool = True,
-          log=print) -> DraftHead:
-    """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"})."""
+          log=print, feature_cache: bool = True) -> DraftHead:
+    """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"}).
+
+    With `feature_cache`, the teacher runs once over all samples first and its states are stored
+    under out_dir/feature_cache (see features.py); every step then reads them instead of running
+    the 30-layer target again."""
     from ..config import uniform_boundaries
 
     torch.manual_seed(cfg.seed)
@@ -232,6 +289,15 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     trainer = PdmTrainer(tgt, head, cfg)
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
+    cache = None
+    if feature_cache:
+        from .features import build_feature_cache
+
+        t_c = time.perf_counter()
+        cache = build_feature_cache(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
+                                    cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive())
+        samples = [dict(s, _idx=i) for i, s in enumerate(samples)]
+        log(json.dumps({"feature_cache": str(cache.root), "seconds": round(time.perf_counter() - t_c, 1)}))
     (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
                                                         "samples": len(samples)}, indent=2))
@@ -248,7 +314,11 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         for bt in batches:
             if trainer.step >= cfg.steps:
                 break
-            stats = trainer.train_step(collate(bt, cfg.max_seq_len))
+            if cache is not None:
+                batch, cached = collate_cached(bt, cfg.max_seq_len, cache)
+                stats = trainer.train_step(batch, cached)
+            else:
+                stats = trainer.train_step(collate(bt, cfg.max_seq_len))
             toks += stats["tokens"]
             agg.append(stats)
             if pbar is not None:

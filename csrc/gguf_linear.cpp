@@ -1,0 +1,310 @@
+// Decode-time linear layers straight from GGUF-quantised weights (Q4_1, Q8_0) on the CPU.
+//
+// At batch 1 a decode step is bound by how many weight bytes it streams. The default model's GGUF
+// stores Q4_1 (0.625 bytes per weight) and Q8_0 (1.0625 bytes per weight); the fp32 copy we
+// dequantise at load streams 4 bytes per weight. These ops read the packed blocks and dequantise
+// in registers with exactly the GGUF formula (Q4_1: w = d*q + m, Q8_0: w = d*q, all in fp32, where
+// d*q is exact), so every weight equals the fp32 copy bit for bit; only the summation order of the
+// dot products differs from a BLAS GEMV.
+//
+// Each output element is a sequential sum over K in a fixed order that depends neither on the
+// number of rows M nor on the thread count: row i of an M-row call equals a 1-row call on row i,
+// bit for bit. The SPD engine relies on that (stage steps of 1..n rows vs the AR baseline's 1 row).
+//
+// Layout (repacked at load from the GGUF blocks, see spd_fast/packed.py), K a multiple of 32:
+//   q4_1: qs uint8 [N, K/2] (block b of row n: bytes 16b..16b+15, element j = low nibble of byte j,
+//         element j+16 = high nibble), d fp32 [N, K/32], m fp32 [N, K/32]
+//   q8_0: qs int8 [N, K], d fp32 [N, K/32]
+// x: fp32 [M, K] contiguous, M <= 16. Output: fp32 [M, N].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kBlock = 32;
+
+void check_common(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gguf linear: x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "gguf linear: 1 <= M <= ", kMaxRows, ", got ", x.size(0));
+  TORCH_CHECK(x.size(1) == K && K % kBlock == 0, "gguf linear: x has K=", x.size(1), ", weights K=", K,
+              " (a multiple of 32)");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(1) == K / kBlock,
+              "gguf linear: d must be a contiguous fp32 [N, K/32] tensor");
+  TORCH_CHECK(qs.is_contiguous() && qs.size(0) == d.size(0), "gguf linear: qs and d disagree on N");
+}
+
+#if defined(__AVX512F__)
+// R output rows at once (independent FMA chains hide the FMA latency), two accumulators per
+// (output row, x row): elements 0-15 and 16-31 of every block. Row n's result is always
+// reduce(acc_lo + acc_hi) over blocks in order, whatever R and M are.
+template <int R>
+inline void q4_1_rows(const float* xp, int64_t M, int64_t K, const uint8_t* qp, const float* dp, const float* mp,
+                      int64_t n, int64_t N, float* yp) {
+  const int64_t NB = K / kBlock;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 lo[R][kMaxRows], hi[R][kMaxRows];
+  for (int i = 0; i < R; ++i)
+    for (int64_t r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    __m512 w0[R], w1[R];
+    for (int i = 0; i < R; ++i) {
+      // the block's 16 possible weights d*q + m (q = 0..15), then a register permute per nibble
+      const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(dp[(n + i) * NB + b]), iota, _mm512_set1_ps(mp[(n + i) * NB + b]));
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + (n + i) * (K / 2) + b * 16)));
+      w0[i] = _mm512_permutexvar_ps(idx, lut);                         // low nibbles (permute reads bits 0-3)
+      w1[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);  // high nibbles
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(xp + r * K + b * kBlock), x1 = _mm512_loadu_ps(xp + r * K + b * kBlock + 16);
+      for (int i = 0; i < R; ++i) {
+        lo[i][r] = _mm512_fmadd_ps(w0[i], x0, lo[i][r]);
+        hi[i][r] = _mm512_fmadd_ps(w1[i], x1, hi[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t r = 0; r < M; ++r) yp[r * N + n + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][r], hi[i][r]));
+}
+
+template <int R>
+inline void q8_0_rows(const float* xp, int64_t M, int64_t K, const int8_t* qp, const float* dp, int64_t n, int64_t N,
+                      float* yp) {
+  const int64_t NB = K / kBlock;
+  __m512 lo[R][kMaxRows], hi[R][kMaxRows];
+  for (int i = 0; i < R; ++i)
+    for (int64_t r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    __m512 w0[R], w1[R];
+    for (int i = 0; i < R; ++i) {
+      const __m512 vd = _mm512_set1_ps(dp[(n + i) * NB + b]);
+      const int8_t* q = qp + (n + i) * K + b * kBlock;
+      w0[i] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+      w1[i] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(xp + r * K + b * kBlock), x1 = _mm512_loadu_ps(xp + r * K + b * kBlock + 16);
+      for (int i = 0; i < R; ++i) {
+        lo[i][r] = _mm512_fmadd_ps(w0[i], x0, lo[i][r]);
+        hi[i][r] = _mm512_fmadd_ps(w1[i], x1, hi[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t r = 0; r < M; ++r) yp[r * N + n + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][r], hi[i][r]));
+}
+#else
+// Portable fallback, same per-row order: elements 0-15 and 16-31 of each block in two partial sums.
+inline void q4_1_row(const float* xp, int64_t M, int64_t K, const uint8_t* qp, const float* dp, const float* mp,
+                     int64_t n, int64_t N, float* yp) {
+  const int64_t NB = K / kBlock;
+  float lo[kMaxRows][16] = {}, hi[kMaxRows][16] = {};
+  const uint8_t* q = qp + n * (K / 2);
+  for (int64_t b = 0; b < NB; ++b) {
+    const float dv = dp[n * NB + b], mv = mp[n * NB + b];
+    float w[32];
+    for (int j = 0; j < 16; ++j) {
+      w[j] = dv * float(q[b * 16 + j] & 0x0F) + mv;
+      w[j + 16] = dv * float(q[b * 16 + j] >> 4) + mv;
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = xp + r * K + b * kBlock;
+      for (int j = 0; j < 16; ++j) lo[r][j] += w[j] * xr[j];
+      for (int j = 0; j < 16; ++j) hi[r][j] += w[j + 16] * xr[j + 16];
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += lo[r][j] + hi[r][j];
+    yp[r * N + n] = s;
+  }
+}
+
+inline void q8_0_row(const float* xp, int64_t M, int64_t K, const int8_t* qp, const float* dp, int64_t n, int64_t N,
+                     float* yp) {
+  const int64_t NB = K / kBlock;
+  float lo[kMaxRows][16] = {}, hi[kMaxRows][16] = {};
+  const int8_t* q = qp + n * K;
+  for (int64_t b = 0; b < NB; ++b) {
+    const float dv = dp[n * NB + b];
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = xp + r * K + b * kBlock;
+      for (int j = 0; j < 16; ++j) lo[r][j] += (dv * float(q[b * kBlock + j])) * xr[j];
+      for (int j = 0; j < 16; ++j) hi[r][j] += (dv * float(q[b * kBlock + 16 + j])) * xr[16 + j];
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += lo[r][j] + hi[r][j];
+    yp[r * N + n] = s;
+  }
+}
+#endif
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  const int64_t N = d.size(0), K = d.size(1) * kBlock, M = x.size(0);
+  check_common(x, qs, d, K);
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) == K / 2,
+              "q4_1 linear: qs must be uint8 [N, K/2]");
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.sizes() == d.sizes(),
+              "q4_1 linear: m must be fp32 like d");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = 2 * p;
+#if defined(__AVX512F__)
+      if (n + 1 < N) q4_1_rows<2>(xp, M, K, qp, dp, mp, n, N, yp);
+      else q4_1_rows<1>(xp, M, K, qp, dp, mp, n, N, yp);
+#else
+      q4_1_row(xp, M, K, qp, dp, mp, n, N, yp);
+      if (n + 1 < N) q4_1_row(xp, M, K, qp, dp, mp, n + 1, N, yp);
+#endif
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  const int64_t N = d.size(0), K = d.size(1) * kBlock, M = x.size(0);
+  check_common(x, qs, d, K);
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) == K, "q8_0 linear: qs must be int8 [N, K]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = 2 * p;
+#if defined(__AVX512F__)
+      if (n + 1 < N) q8_0_rows<2>(xp, M, K, qp, dp, n, N, yp);
+      else q8_0_rows<1>(xp, M, K, qp, dp, n, N, yp);
+#else
+      q8_0_row(xp, M, K, qp, dp, n, N, yp);
+      if (n + 1 < N) q8_0_row(xp, M, K, qp, dp, n + 1, N, yp);
+#endif
+    }
+  });
+  return y;
+}
+
+// ---- the rest of a decode step: one op instead of a dozen small ones ------------------------------
+
+// RMSNorm in transformers' op order: y = w * (x * rsqrt(mean(x^2) + eps)), fp32, rows of H.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && w.scalar_type() == at::kFloat &&
+              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
+              "rms_norm_rows: contiguous fp32 x [..., H] and w [H]");
+  const int64_t H = w.size(0), R = x.numel() / H;
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = xp + r * H;
+    float ss[16] = {};
+    int64_t j = 0;
+    for (; j + 16 <= H; j += 16)
+      for (int k = 0; k < 16; ++k) ss[k] += xr[j + k] * xr[j + k];
+    float s = 0.f;
+    for (int k = 0; k < 16; ++k) s += ss[k];
+    for (; j < H; ++j) s += xr[j] * xr[j];
+    const float inv = 1.0f / std::sqrt(s / float(H) + float(eps));
+    float* yr = yp + r * H;
+    for (j = 0; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
+  }
+  return y;
+}
+
+// Few-query attention over a static KV cache with GQA: q [B, T, nh, D], caches [Bc, nkv, S, D]
+// (slot == position), positions [B, T]; a query at position p reads slots 0..min(p, bound-1).
+// Scores and softmax in fp32; one (b, t, head) per task; the sums run over slots in order.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                            const at::Tensor& positions, int64_t kv_bound) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "decode_attention: fp32 tensors");
+  TORCH_CHECK(q.dim() == 4 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() && vc.is_contiguous(),
+              "decode_attention: q [B, T, nh, D], contiguous caches [Bc, nkv, S, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2, "decode_attention: int64 positions [B, T]");
+  const int64_t B = q.size(0), T = q.size(1), nh = q.size(2), D = q.size(3);
+  const int64_t nkv = kc.size(1), S = kc.size(2);
+  TORCH_CHECK(kc.size(0) >= B && kc.size(3) == D && nh % nkv == 0 && kv_bound >= 1 && kv_bound <= S,
+              "decode_attention: shapes disagree");
+  at::Tensor qc = q.contiguous();
+  at::Tensor pos = positions.contiguous();
+  at::Tensor o = at::empty({B, T, nh, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  float* op = o.data_ptr<float>();
+  const int64_t g = nh / nkv;
+  const float scale = 1.0f / std::sqrt(float(D));
+  at::parallel_for(0, B * T * nh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(kv_bound);
+    std::vector<float> acc(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i % nh, bt = i / nh, b = bt / T;
+      const int64_t kvh = h / g;
+      const int64_t last = std::min<int64_t>(pp[bt], kv_bound - 1);
+      const float* qr = qp + i * D;
+      const float* kbase = kp + (b * nkv + kvh) * S * D;
+      const float* vbase = vp + (b * nkv + kvh) * S * D;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s <= last; ++s) {
+        const float* kr = kbase + s * D;
+        float dot = 0.f;
+        for (int64_t j = 0; j < D; ++j) dot += qr[j] * kr[j];
+        sc[s] = dot * scale;
+        mx = std::max(mx, sc[s]);
+      }
+      float den = 0.f;
+      for (int64_t s = 0; s <= last; ++s) {
+        sc[s] = std::exp(sc[s] - mx);
+        den += sc[s];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s <= last; ++s) {
+        const float* vr = vbase + s * D;
+        const float pr = sc[s];
+        for (int64_t j = 0; j < D; ++j) acc[j] += pr * vr[j];
+      }
+      float* orow = op + i * D;
+      const float inv = 1.0f / den;
+      for (int64_t j = 0; j < D; ++j) orow[j] = acc[j] * inv;
+    }
+  });
+  return o;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(spd_fast, m) {
+  m.def("q4_1_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("rms_norm_rows(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, int kv_bound) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spd_fast, CPU, m) {
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("rms_norm_rows", &rms_norm_rows);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,171 @@
+"""GGUF-packed decode weights: the linear layers of a GGUF model keep their quantised blocks.
+
+A batch-1 decode step streams every weight once, so its cost is the bytes it reads. For a GGUF
+model we keep, next to the fp32 copy used for prefill and training, the file's own Q4_1 / Q8_0
+blocks (repacked for aligned loads), and the decode rows (M <= 16) go through the C++ ops of
+csrc/gguf_linear.cpp, which dequantise in registers with the GGUF formula. Every weight is the
+same fp32 number as in the dequantised copy; the sums run in a fixed order that does not depend
+on M, so SPD stage steps (1..n rows) and the AR baseline (1 row) stay bit-identical.
+
+The same module also switches on two fused C++ decode ops (RMSNorm, few-query attention):
+`enable_fused_ops`, off with SPD_FAST_FUSED=0.
+
+Packed weights are off with SPD_FAST_PACKED=0, for non-fp32 or non-CPU models, for checkpoints that are not GGUF,
+and when the C++ ops cannot be built (one warning, then the fp32 path).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .gguf_loader import _LAYER_NAMES, _open, _unpermute
+
+MAX_ROWS = 16  # rows per call served by the packed ops; larger batches (prefill) use the fp32 GEMM
+_KINDS = {"Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
+
+
+def enabled() -> bool:
+    return os.environ.get("SPD_FAST_PACKED", "1") not in ("0", "false", "no")
+
+
+def _blocks(t) -> tuple[str, np.ndarray]:
+    kind = t.tensor_type.name
+    N, K = int(t.shape[1]), int(t.shape[0])
+    return kind, np.asarray(t.data, dtype=np.uint8).reshape(N, K // 32, _KINDS[kind])
+
+
+def _repack(kind: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    N, NB, _ = blocks.shape
+    d = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(N, NB).astype(np.float32))
+    if kind == "Q4_1":
+        m = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(N, NB).astype(np.float32))
+        qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 4:20]).reshape(N, NB * 16))
+        return {"kind": "q4_1", "qs": qs, "d": d, "m": m}
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:34]).view(np.int8).reshape(N, NB * 32))
+    return {"kind": "q8_0", "qs": qs, "d": d}
+
+
+def read_packed(gguf_path: str | Path, cfg: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Our module name -> repacked blocks, for every linear layer stored as Q4_1 or Q8_0 (fused
+    layers only when all their parts are)."""
+    reader = _open(Path(gguf_path))
+    by_name = {t.name: t for t in reader.tensors}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+
+    def fuse(names: list[str], perms: list[int | None]) -> dict[str, torch.Tensor] | None:
+        parts = []
+        for nm, heads in zip(names, perms):
+            t = by_name.get(nm)
+            if t is None or t.tensor_type.name not in _KINDS:
+                return None
+            kind, b = _blocks(t)
+            if heads is not None:
+                b = _unpermute(b, heads)
+            parts.append((kind, b))
+        if len({k for k, _ in parts}) != 1:
+            return None
+        return _repack(parts[0][0], np.concatenate([b for _, b in parts], axis=0))
+
+    llama = cfg["model_type"] == "llama"
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"blk.{i}."
+        qkv = fuse([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+                   [cfg["num_attention_heads"] if llama else None, cfg["num_key_value_heads"] if llama else None, None])
+        for name, packed in ((f"layers.{i}.attn.wqkv", qkv),
+                             (f"layers.{i}.attn.wo", fuse([p + "attn_output.weight"], [None])),
+                             (f"layers.{i}.mlp.w_gate_up", fuse([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None])),
+                             (f"layers.{i}.mlp.w_down", fuse([p + "ffn_down.weight"], [None]))):
+            if packed is not None:
+                out[name] = packed
+    head = "token_embd.weight" if cfg.get("tie_word_embeddings") and "output.weight" not in by_name else "output.weight"
+    packed = fuse([head], [None])
+    if packed is not None:
+        out["lm_head"] = packed
+    assert set(_LAYER_NAMES)  # the names above follow gguf_loader's table
+    return out
+
+
+def packed_linear(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """x [..., K] fp32 with at most MAX_ROWS rows -> [..., N] through the C++ op."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    if p["kind"] == "q4_1":
+        y = torch.ops.spd_fast.q4_1_linear(x2, p["qs"], p["d"], p["m"])
+    else:
+        y = torch.ops.spd_fast.q8_0_linear(x2, p["qs"], p["d"])
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def reference_linear(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """PyTorch twin: dequantise with the GGUF formula, then F.linear (the test oracle)."""
+    N = p["d"].shape[0]
+    if p["kind"] == "q4_1":
+        qs = p["qs"].reshape(N, -1, 16)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()                    # [N, NB, 32]
+        w = p["d"][..., None] * q + p["m"][..., None]
+    else:
+        w = p["d"][..., None] * p["qs"].reshape(N, -1, 32).float()
+    return F.linear(x, w.reshape(N, -1))
+
+
+def attach(model: torch.nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> int:
+    """Give each named linear its packed blocks (model.py's linears use them for <= MAX_ROWS rows).
+    Returns the number of layers attached."""
+    mods = dict(model.named_modules())
+    count = 0
+    for name, p in packed.items():
+        mod = mods.get(name)
+        if mod is None or not hasattr(mod, "packed") or mod.weight.is_meta:
+            continue  # not a packable linear, or a layer this process does not hold (distributed stages)
+        N, K = p["d"].shape[0], p["d"].shape[1] * 32
+        if tuple(mod.weight.shape) != (N, K):
+            raise ValueError(f"packed weights for {name} have shape {(N, K)}, the model's {tuple(mod.weight.shape)}")
+        mod.packed = p
+        count += 1
+    return count
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("SPD_FAST_FUSED", "1") not in ("0", "false", "no")
+
+
+def enable_fused_ops(model: torch.nn.Module) -> bool:
+    """Route a CPU fp32 model's decode-row RMSNorms and few-query attention through single C++ ops
+    (csrc/gguf_linear.cpp) instead of a dozen small ATen ops each. Off with SPD_FAST_FUSED=0."""
+    from .model import Attention, RMSNorm
+
+    p0 = next((p for p in model.parameters() if not p.is_meta), None)
+    on = fused_enabled() and p0 is not None and p0.dtype == torch.float32 and p0.device.type == "cpu"
+    if on:
+        from . import cpp_ops
+
+        on = cpp_ops.available()
+    for mod in model.modules():
+        if isinstance(mod, (Attention, RMSNorm)):
+            mod.fused = on
+    return on
+
+
+def maybe_attach(model: torch.nn.Module, model_dir: Path) -> int:
+    """Attach the GGUF blocks of a converted GGUF directory, when everything allows it; else 0."""
+    marker = Path(model_dir) / "spd_fast_converted.json"
+    if not enabled() or not marker.is_file():
+        return 0
+    p0 = next((p for p in model.parameters() if not p.is_meta), None)
+    if p0 is None or p0.dtype != torch.float32 or p0.device.type != "cpu":
+        return 0
+    source = Path(json.loads(marker.read_text()).get("source", ""))
+    if not source.is_file():
+        return 0
+    from . import cpp_ops
+
+    if not cpp_ops.available():
+        return 0
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return attach(model, read_packed(source, cfg))

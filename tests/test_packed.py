@@ -1,0 +1,116 @@
+"""GGUF-packed decode weights (spd_fast/packed.py, csrc/gguf_linear.cpp)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spd_fast import cpp_ops, packed
+
+pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="needs a C++ compiler for the packed ops")
+
+
+def _random_packed(kind: str, N: int, K: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(N, K // 32, generator=g) * 0.02 + 0.001).half().float()  # fp16 scales, as in a GGUF file
+    if kind == "q4_1":
+        m = (torch.rand(N, K // 32, generator=g) * -0.1).half().float()
+        qs = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+        return {"kind": kind, "qs": qs, "d": d, "m": m}
+    return {"kind": kind, "qs": torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8), "d": d}
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_packed_linear_matches_dequantised_reference(kind, M):
+    p = _random_packed(kind, 40, 96)
+    x = torch.randn(M, 96)
+    torch.testing.assert_close(packed.packed_linear(x, p), packed.reference_linear(x, p), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_packed_rows_do_not_depend_on_batch(kind):
+    """Row i of an M-row call equals a 1-row call, bit for bit: SPD stage steps and AR agree."""
+    p = _random_packed(kind, 64, 576, seed=1)
+    x = torch.randn(16, 576)
+    full = packed.packed_linear(x, p)
+    for M in (2, 5, 16):
+        assert torch.equal(packed.packed_linear(x[:M], p), full[:M])
+    for i in range(16):
+        assert torch.equal(packed.packed_linear(x[i:i + 1], p), full[i:i + 1])
+
+
+def test_packed_op_rejects_bad_inputs():
+    p = _random_packed("q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="1 <= M <= 16"):
+        packed.packed_linear(torch.randn(17, 64), p)
+    with pytest.raises(RuntimeError, match="x must be a contiguous fp32"):
+        packed.packed_linear(torch.randn(2, 64).double(), p)
+    with pytest.raises(RuntimeError, match="x has K=32, weights K=64"):
+        packed.packed_linear(torch.randn(2, 32), p)
+
+
+def test_default_model_packed_weights_equal_the_fp32_copy(default_target):
+    """The blocks attached to the default model dequantise to exactly its fp32 weights (Q/K rows
+    unpermuted, q/k/v and gate/up fused in the right order, the tied LM head from token_embd)."""
+    net = default_target.model
+    attached = {n: m.packed for n, m in net.named_modules() if getattr(m, "packed", None) is not None}
+    assert len(attached) == 4 * net.cfg.num_layers + 1
+    for name in ("layers.0.attn.wqkv", "layers.17.mlp.w_gate_up", "layers.29.attn.wo", "lm_head"):
+        mod = dict(net.named_modules())[name]
+        K = mod.weight.shape[1]
+        eye = torch.eye(K)
+        w = packed.reference_linear(eye, mod.packed).T  # dequantised weight [N, K]
+        assert torch.equal(w, mod.weight), name
+    # the decode path uses them and agrees with the fp32 GEMM
+    x = torch.randn(1, 1, net.cfg.hidden_size)
+    lm = net.lm_head
+    torch.testing.assert_close(lm(x), torch.nn.functional.linear(x, lm.weight), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_path_can_be_turned_off(monkeypatch, default_target):
+    monkeypatch.setenv("SPD_FAST_PACKED", "0")
+    assert packed.maybe_attach(default_target.model, default_target.path) == 0
+    monkeypatch.setenv("SPD_FAST_PACKED", "1")
+    assert packed.maybe_attach(default_target.model, default_target.path) == 4 * default_target.cfg.num_layers + 1
+
+
+def test_packed_rejects_mismatched_shapes(default_target):
+    before = default_target.model.lm_head.packed
+    with pytest.raises(ValueError, match="packed weights for lm_head have shape"):
+        packed.attach(default_target.model, {"lm_head": _random_packed("q8_0", 8, 64)})
+    assert default_target.model.lm_head.packed is before  # untouched after the error
+
+
+def test_fused_decode_ops_match_the_aten_path():
+    """rms_norm_rows and decode_attention (csrc/gguf_linear.cpp) against the model's ATen code."""
+    from spd_fast.model import Attention, RMSNorm, attention_mask
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.rand(64) + 0.5
+    x = torch.randn(3, 2, 64) * 3
+    with torch.no_grad():
+        ref = norm(x)
+        norm.fused = True
+        torch.testing.assert_close(norm(x), ref, rtol=1e-6, atol=1e-6)
+    B, T, nh, nkv, D, S = 2, 3, 6, 2, 16, 40
+    q = torch.randn(B, T, nh, D)
+    kc, vc = torch.randn(B + 1, nkv, S, D), torch.randn(B + 1, nkv, S, D)
+    positions = torch.tensor([[5, 6, 7], [30, 31, S - 1]])
+    for bound in (8, 32, S):
+        got = torch.ops.spd_fast.decode_attention(q, kc, vc, positions, bound)
+        # the model's few-query path: GQA matmuls over slots < bound, slot <= position
+        att = Attention.__new__(Attention)
+        att.nh, att.nkv, att.hd = nh, nkv, D
+        want = Attention._decode_attention(att, q, kc[:B, :, :bound], vc[:B, :, :bound], attention_mask(positions, bound))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="decode_attention: fp32 tensors"):
+        torch.ops.spd_fast.decode_attention(q.double(), kc, vc, positions, 8)
+
+
+def test_fused_ops_can_be_turned_off(monkeypatch, default_target):
+    net = default_target.model
+    monkeypatch.setenv("SPD_FAST_FUSED", "0")
+    assert packed.enable_fused_ops(net) is False and not net.layers[0].attn.fused and not net.norm.fused
+    monkeypatch.setenv("SPD_FAST_FUSED", "1")
+    assert packed.enable_fused_ops(net) is True and net.layers[3].mlp_norm.fused
