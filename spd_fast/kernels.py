@@ -153,3 +153,32 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     if b == "triton":
         return _tk("rmsnorm").add_rmsnorm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
     return ops_explicit.add_rmsnorm(x, residual, weight, eps)
+
+
+# ---- decode hot path -----------------------------------------------------------------------------
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """x [N, heads, D] (heads contiguous) rotated in place by cos/sin [N, D] fp32; returns x."""
+    b = _pick("rope_inplace", backend, x, has_cpp=False)
+    if b == "triton":
+        _tk("decode").rope_inplace(x, cos.contiguous(), sin.contiguous())
+        return x
+    return ops_explicit.rope_inplace(x, cos, sin)
+
+
+def swiglu(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """[N, 2I] -> silu(gate) * up [N, I]."""
+    b = _pick("swiglu", backend, gate_up, has_cpp=False)
+    if b == "triton":
+        return _tk("decode").swiglu(gate_up.contiguous())
+    return ops_explicit.swiglu(gate_up)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     kv_bound: int, backend: str = "auto") -> torch.Tensor:
+    """Few-query attention over a static KV cache (split-K on the GPU, one C++ op on the CPU)."""
+    b = _pick("decode_attention", backend, q)
+    if b == "triton":
+        return _tk("decode").decode_attention(q, k_cache, v_cache, positions, kv_bound)
+    if b == "cpp" and q.dtype == torch.float32:
+        return cpp_ops.op("decode_attention")(q, k_cache, v_cache, positions, kv_bound)
+    return ops_explicit.decode_attention(q, k_cache, v_cache, positions, kv_bound)

@@ -229,6 +229,12 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg, max_len + 1)
         self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
 
+    def free_caches(self) -> None:
+        """Drop the KV caches (e.g. after a large-batch teacher pass); setup_caches makes new ones."""
+        for layer in self.layers:
+            layer.attn.k_cache = layer.attn.v_cache = None
+        self.max_len = 0
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
 

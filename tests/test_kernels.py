@@ -376,3 +376,82 @@ def test_engine_greedy_identical_across_backends(tiny_checkpoint, n, cpp):
             assert kernels.calls[f"aggregate/{backend}"] > before[f"aggregate/{backend}"]
             assert kernels.calls[f"verify_greedy/{backend}"] > before[f"verify_greedy/{backend}"]
     assert outs["torch"] == ref and outs["triton"] == ref and outs["cpp"] == ref
+
+
+# ---- decode hot path: RoPE in place, SwiGLU, split-K attention ----------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,atol,rtol", [pytest.param(torch.float32, 1e-6, 1e-6, id="fp32"),
+                                             pytest.param(torch.bfloat16, 1e-2, 1e-2, id="bf16")])
+def test_rope_inplace_triton_matches_the_model(device, dtype, atol, rtol):
+    """On a fused-qkv row layout (q and k heads one strided view), as the model rotates them."""
+    from spd_fast.model import apply_rope, rope_tables
+    from spd_fast.triton_kernels.decode import launch_rope_inplace
+
+    dev = triton_device(device)
+    cfg = type("C", (), {"rope_theta": 10000.0, "head_dim": 16, "rope_scaling": None})()
+    cos, sin = rope_tables(cfg, 50)
+    pos = torch.tensor([3, 17, 49])
+    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+    qk = qkv[:, : 6 * 16].view(3, 6, 16)
+    want = apply_rope(qk.clone()[None], cos[pos][None].to(dev), sin[pos][None].to(dev))[0]
+    untouched = qkv[:, 6 * 16:].clone()
+    twin = qk.clone()
+    launch_rope_inplace(qk, cos[pos].to(dev), sin[pos].to(dev))
+    assert_close_verbose(qk, want, atol, rtol, "triton rope vs model.apply_rope")
+    assert torch.equal(qkv[:, 6 * 16:], untouched)  # the v heads of the row stay as they were
+    assert_close_verbose(kernels.rope_inplace(twin, cos[pos].to(dev), sin[pos].to(dev), backend="torch"), want,
+                         atol, rtol, "twin vs model")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,atol,rtol", [pytest.param(torch.float32, 1e-6, 1e-5, id="fp32"),
+                                             pytest.param(torch.bfloat16, 2e-2, 2e-2, id="bf16")])
+def test_swiglu_triton_matches_the_model_mlp(device, dtype, atol, rtol):
+    from spd_fast.triton_kernels.decode import launch_swiglu
+
+    dev = triton_device(device)
+    gu = (torch.randn(2, 2 * 40, generator=torch.Generator().manual_seed(1)) * 4).to(dev, dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert_close_verbose(launch_swiglu(gu), want, atol, rtol, "triton swiglu")
+    assert torch.equal(kernels.swiglu(gu, backend="torch"), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_split_k_matches_the_model(device, splits, cpp):
+    """Split-K attention == the model's few-query path for GQA, per-row positions, kv_bound below
+    a row's position (that row reads only the bound), and chunks with no valid slot."""
+    from spd_fast.model import Attention, attention_mask
+    from spd_fast.triton_kernels.decode import launch_decode_attention
+
+    dev = triton_device(device)
+    g = torch.Generator().manual_seed(2)
+    B, T, nh, nkv, D, S = 1, 3, 4, 2, 16, 40
+    q = torch.randn(B, T, nh, D, generator=g)
+    kc, vc = torch.randn(2, nkv, S, D, generator=g), torch.randn(2, nkv, S, D, generator=g)
+    positions = torch.tensor([[2, 20, 39]])
+    att = Attention.__new__(Attention)
+    att.nh, att.nkv, att.hd = nh, nkv, D
+    for bound in (32, S):
+        want = Attention._decode_attention(att, q, kc[:B, :, :bound], vc[:B, :, :bound], attention_mask(positions, bound))
+        got = launch_decode_attention(q.to(dev), kc.to(dev), vc.to(dev), positions.to(dev), bound, splits=splits)
+        assert_close_verbose(got, want, 1e-5, 1e-5, f"triton split-K, bound {bound}")
+        twin = kernels.decode_attention(q, kc, vc, positions, bound, backend="torch")
+        assert_close_verbose(twin, want, 1e-5, 1e-5, "twin")
+        cpp_out = kernels.decode_attention(q, kc, vc, positions, bound, backend="cpp")
+        assert_close_verbose(cpp_out, want, 1e-5, 1e-5, "C++")
+    with pytest.raises(ValueError, match="kv_bound must be in 1..40"):
+        launch_decode_attention(q.to(dev), kc.to(dev), vc.to(dev), positions.to(dev), 41)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        launch_decode_attention(q.to(dev), kc.to(dev), vc.to(dev), positions.int().to(dev), 8)
+
+
+def test_decode_hot_path_ops_are_opaque_custom_ops():
+    triton_device("cpu")
+    import spd_fast.triton_kernels.decode  # noqa: F401  (registers the ops)
+
+    q, kc = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 16, 8)
+    torch.library.opcheck(torch.ops.spd_fast.decode_attention_triton, (q, kc, kc.clone(), torch.tensor([[5]]), 16),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.spd_fast.swiglu_triton, (torch.randn(2, 16),), test_utils=("test_schema", "test_faketensor"))

@@ -297,6 +297,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         cache = build_feature_cache(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
                                     cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive())
         samples = [dict(s, _idx=i) for i, s in enumerate(samples)]
+        tgt.free_caches()  # the teacher pass sized them for its largest batch (GBs); training reads the cache
         log(json.dumps({"feature_cache": str(cache.root), "seconds": round(time.perf_counter() - t_c, 1)}))
     (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
