@@ -43,6 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _limit_heap_growth() -> None:
+    """bf16 autocast on CPU with a different batch shape every step makes glibc's heap grow by tens
+    of MB per step (measured: +1 GB in 50 steps on a tiny model; fp32 stays flat). Serving large
+    blocks with mmap, and trimming early, returns them to the system on free."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..config import SpdConfigError
     from ..runtime import load_target
@@ -50,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import TrainConfig, pack_batches, train
 
     a = build_parser().parse_args(argv)
+    _limit_heap_growth()
     if a.threads:
         torch.set_num_threads(a.threads)
     out = Path(a.out)
