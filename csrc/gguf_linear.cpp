@@ -46,26 +46,20 @@ void check_common(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
 }
 
 #if defined(__AVX512F__)
-// R output rows at once (independent FMA chains hide the FMA latency), two accumulators per
-// (output row, x row): elements 0-15 and 16-31 of every block. Row n's result is always
-// reduce(acc_lo + acc_hi) over blocks in order, whatever R and M are.
-template <int R>
-inline void q4_1_rows(const float* xp, int64_t M, int64_t K, const uint8_t* qp, const float* dp, const float* mp,
-                      int64_t n, int64_t N, float* yp) {
+// The dot products of R output rows (n..n+R-1) with all M rows of x, given a dequantiser that
+// writes block b of output row n+i as two vectors (elements 0-15, 16-31). R rows at once give
+// independent FMA chains that hide the FMA latency; there are two accumulators per (output row,
+// x row), and row n's result is always reduce(acc_lo + acc_hi) over the blocks in order, whatever
+// R and M are.
+template <int R, typename Dequant>
+inline void dot_rows(const float* xp, int64_t M, int64_t K, int64_t n, int64_t N, float* yp, Dequant deq) {
   const int64_t NB = K / kBlock;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 lo[R][kMaxRows], hi[R][kMaxRows];
   for (int i = 0; i < R; ++i)
     for (int64_t r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     __m512 w0[R], w1[R];
-    for (int i = 0; i < R; ++i) {
-      // the block's 16 possible weights d*q + m (q = 0..15), then a register permute per nibble
-      const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(dp[(n + i) * NB + b]), iota, _mm512_set1_ps(mp[(n + i) * NB + b]));
-      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + (n + i) * (K / 2) + b * 16)));
-      w0[i] = _mm512_permutexvar_ps(idx, lut);                         // low nibbles (permute reads bits 0-3)
-      w1[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);  // high nibbles
-    }
+    for (int i = 0; i < R; ++i) deq(n + i, b, w0[i], w1[i]);
     for (int64_t r = 0; r < M; ++r) {
       const __m512 x0 = _mm512_loadu_ps(xp + r * K + b * kBlock), x1 = _mm512_loadu_ps(xp + r * K + b * kBlock + 16);
       for (int i = 0; i < R; ++i) {
@@ -78,77 +72,80 @@ inline void q4_1_rows(const float* xp, int64_t M, int64_t K, const uint8_t* qp, 
     for (int64_t r = 0; r < M; ++r) yp[r * N + n + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][r], hi[i][r]));
 }
 
-template <int R>
-inline void q8_0_rows(const float* xp, int64_t M, int64_t K, const int8_t* qp, const float* dp, int64_t n, int64_t N,
-                      float* yp) {
+// Output rows in pairs over the thread pool (a last odd row alone).
+template <typename Dequant>
+void dot_all_rows(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, Dequant deq) {
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      if (2 * p + 1 < N) dot_rows<2>(xp, M, K, 2 * p, N, yp, deq);
+      else dot_rows<1>(xp, M, K, 2 * p, N, yp, deq);
+    }
+  });
+}
+
+auto q4_1_dequant(const uint8_t* qp, const float* dp, const float* mp, int64_t K) {
   const int64_t NB = K / kBlock;
-  __m512 lo[R][kMaxRows], hi[R][kMaxRows];
-  for (int i = 0; i < R; ++i)
-    for (int64_t r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < NB; ++b) {
-    __m512 w0[R], w1[R];
-    for (int i = 0; i < R; ++i) {
-      const __m512 vd = _mm512_set1_ps(dp[(n + i) * NB + b]);
-      const int8_t* q = qp + (n + i) * K + b * kBlock;
-      w0[i] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-      w1[i] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      const __m512 x0 = _mm512_loadu_ps(xp + r * K + b * kBlock), x1 = _mm512_loadu_ps(xp + r * K + b * kBlock + 16);
-      for (int i = 0; i < R; ++i) {
-        lo[i][r] = _mm512_fmadd_ps(w0[i], x0, lo[i][r]);
-        hi[i][r] = _mm512_fmadd_ps(w1[i], x1, hi[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int64_t r = 0; r < M; ++r) yp[r * N + n + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][r], hi[i][r]));
+  return [=](int64_t n, int64_t b, __m512& w0, __m512& w1) {
+    // the block's 16 possible weights d*q + m (q = 0..15), then a register permute per nibble
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(dp[n * NB + b]), iota, _mm512_set1_ps(mp[n * NB + b]));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + n * (K / 2) + b * 16)));
+    w0 = _mm512_permutexvar_ps(idx, lut);                         // low nibbles (permute reads bits 0-3)
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);  // high nibbles
+  };
+}
+
+auto q8_0_dequant(const int8_t* qp, const float* dp, int64_t K) {
+  const int64_t NB = K / kBlock;
+  return [=](int64_t n, int64_t b, __m512& w0, __m512& w1) {
+    const __m512 vd = _mm512_set1_ps(dp[n * NB + b]);
+    const int8_t* q = qp + n * K + b * kBlock;
+    w0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+    w1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+  };
 }
 #else
 // Portable fallback, same per-row order: elements 0-15 and 16-31 of each block in two partial sums.
-inline void q4_1_row(const float* xp, int64_t M, int64_t K, const uint8_t* qp, const float* dp, const float* mp,
-                     int64_t n, int64_t N, float* yp) {
+template <typename Dequant>
+void dot_all_rows(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, Dequant deq) {
   const int64_t NB = K / kBlock;
-  float lo[kMaxRows][16] = {}, hi[kMaxRows][16] = {};
-  const uint8_t* q = qp + n * (K / 2);
-  for (int64_t b = 0; b < NB; ++b) {
-    const float dv = dp[n * NB + b], mv = mp[n * NB + b];
-    float w[32];
-    for (int j = 0; j < 16; ++j) {
-      w[j] = dv * float(q[b * 16 + j] & 0x0F) + mv;
-      w[j + 16] = dv * float(q[b * 16 + j] >> 4) + mv;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float lo[kMaxRows][16] = {}, hi[kMaxRows][16] = {};
+      for (int64_t b = 0; b < NB; ++b) {
+        float w[32];
+        deq(n, b, w);
+        for (int64_t r = 0; r < M; ++r) {
+          const float* xr = xp + r * K + b * kBlock;
+          for (int j = 0; j < 16; ++j) lo[r][j] += w[j] * xr[j];
+          for (int j = 0; j < 16; ++j) hi[r][j] += w[j + 16] * xr[j + 16];
+        }
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        float s = 0.f;
+        for (int j = 0; j < 16; ++j) s += lo[r][j] + hi[r][j];
+        yp[r * N + n] = s;
+      }
     }
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = xp + r * K + b * kBlock;
-      for (int j = 0; j < 16; ++j) lo[r][j] += w[j] * xr[j];
-      for (int j = 0; j < 16; ++j) hi[r][j] += w[j + 16] * xr[j + 16];
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    float s = 0.f;
-    for (int j = 0; j < 16; ++j) s += lo[r][j] + hi[r][j];
-    yp[r * N + n] = s;
-  }
+  });
 }
 
-inline void q8_0_row(const float* xp, int64_t M, int64_t K, const int8_t* qp, const float* dp, int64_t n, int64_t N,
-                     float* yp) {
+auto q4_1_dequant(const uint8_t* qp, const float* dp, const float* mp, int64_t K) {
   const int64_t NB = K / kBlock;
-  float lo[kMaxRows][16] = {}, hi[kMaxRows][16] = {};
-  const int8_t* q = qp + n * K;
-  for (int64_t b = 0; b < NB; ++b) {
-    const float dv = dp[n * NB + b];
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = xp + r * K + b * kBlock;
-      for (int j = 0; j < 16; ++j) lo[r][j] += (dv * float(q[b * kBlock + j])) * xr[j];
-      for (int j = 0; j < 16; ++j) hi[r][j] += (dv * float(q[b * kBlock + 16 + j])) * xr[16 + j];
+  return [=](int64_t n, int64_t b, float* w) {
+    const uint8_t* q = qp + n * (K / 2) + b * 16;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = dp[n * NB + b] * float(q[j] & 0x0F) + mp[n * NB + b];
+      w[j + 16] = dp[n * NB + b] * float(q[j] >> 4) + mp[n * NB + b];
     }
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    float s = 0.f;
-    for (int j = 0; j < 16; ++j) s += lo[r][j] + hi[r][j];
-    yp[r * N + n] = s;
-  }
+  };
+}
+
+auto q8_0_dequant(const int8_t* qp, const float* dp, int64_t K) {
+  const int64_t NB = K / kBlock;
+  return [=](int64_t n, int64_t b, float* w) {
+    for (int j = 0; j < 32; ++j) w[j] = dp[n * NB + b] * float(qp[n * K + b * kBlock + j]);
+  };
 }
 #endif
 
@@ -160,23 +157,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.sizes() == d.sizes(),
               "q4_1 linear: m must be fp32 like d");
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = 2 * p;
-#if defined(__AVX512F__)
-      if (n + 1 < N) q4_1_rows<2>(xp, M, K, qp, dp, mp, n, N, yp);
-      else q4_1_rows<1>(xp, M, K, qp, dp, mp, n, N, yp);
-#else
-      q4_1_row(xp, M, K, qp, dp, mp, n, N, yp);
-      if (n + 1 < N) q4_1_row(xp, M, K, qp, dp, mp, n + 1, N, yp);
-#endif
-    }
-  });
+  dot_all_rows(x.data_ptr<float>(), M, K, N, y.data_ptr<float>(),
+               q4_1_dequant(qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K));
   return y;
 }
 
@@ -185,22 +167,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   check_common(x, qs, d, K);
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) == K, "q8_0 linear: qs must be int8 [N, K]");
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = qs.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = 2 * p;
-#if defined(__AVX512F__)
-      if (n + 1 < N) q8_0_rows<2>(xp, M, K, qp, dp, n, N, yp);
-      else q8_0_rows<1>(xp, M, K, qp, dp, n, N, yp);
-#else
-      q8_0_row(xp, M, K, qp, dp, n, N, yp);
-      if (n + 1 < N) q8_0_row(xp, M, K, qp, dp, n + 1, N, yp);
-#endif
-    }
-  });
+  dot_all_rows(x.data_ptr<float>(), M, K, N, y.data_ptr<float>(), q8_0_dequant(qs.data_ptr<int8_t>(), d.data_ptr<float>(), K));
   return y;
 }
 
