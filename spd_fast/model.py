@@ -19,6 +19,7 @@ from torch import nn
 from .config import ModelConfig
 
 KV_BLOCK = 64
+PACKED_MAX_ROWS = 16  # decode calls of at most this many rows use the C++ ops (packed linears, fused norm)
 
 
 def kv_bound_for(max_position: int, max_len: int) -> int:
@@ -28,14 +29,14 @@ def kv_bound_for(max_position: int, max_len: int) -> int:
 
 class Linear(nn.Linear):
     """nn.Linear that can also hold GGUF-packed blocks of its weight (spd_fast/packed.py): calls of
-    at most packed.MAX_ROWS fp32 rows without autograd or autocast (the decode steps) read those
+    at most PACKED_MAX_ROWS fp32 rows without autograd or autocast (the decode steps) read those
     instead of the fp32 weight; every other call (prefill, training) is F.linear."""
 
     packed: dict | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        if (p is not None and x.dtype == torch.float32 and x.numel() <= 16 * x.shape[-1]
+        if (p is not None and x.dtype == torch.float32 and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
                 and not (torch.is_grad_enabled() and x.requires_grad) and not torch.is_autocast_enabled("cpu")):
             from .packed import packed_linear
 
@@ -53,7 +54,8 @@ class RMSNorm(nn.Module):
     fused = False  # set by packed.enable_fused_ops: decode rows go through one C++ op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dtype == torch.float32 and x.numel() <= 16 * x.shape[-1] and not torch.is_grad_enabled():
+        if (self.fused and x.dtype == torch.float32 and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+                and not torch.is_grad_enabled()):
             return torch.ops.spd_fast.rms_norm_rows(x.contiguous(), self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, cast, then scale.
         xf = x.float()
@@ -91,6 +93,21 @@ def attention_mask(positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
     """[B, 1, T, kv_bound] bool: a query at position p sees cache slots <= p."""
     slots = torch.arange(kv_bound, device=positions.device)
     return slots[None, None, None, :] <= positions[:, None, :, None]
+
+
+def few_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Few-query attention as two small matmuls; the query heads of one KV group share a matmul
+    (GQA without repeating K/V). q [B, T, nh, D], keys/values [B, nkv, S, D], mask [B, 1, T, S]
+    -> [B, T, nh, D]. Softmax in fp32."""
+    B, T, nh, D = q.shape
+    nkv = keys.shape[1]
+    g = nh // nkv
+    qg = q.view(B, T, nkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * (D ** -0.5)               # [B, nkv, g*T, S]
+    m = mask[:, :, None].expand(B, 1, g, T, -1).reshape(B, 1, g * T, -1)
+    scores = scores.masked_fill(~m, float("-inf"))
+    o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)   # [B, nkv, g*T, D]
+    return o.view(B, nkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, nh, D)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,31 +153,18 @@ class Attention(nn.Module):
         # Advanced indices around a slice: kc[b_idx, :, positions] has shape [B, T, nkv, D].
         kc[b_idx, :, positions] = k.to(kc.dtype)
         vc[b_idx, :, positions] = v.to(vc.dtype)
-        keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
         if self.fused and T <= 8 and q.dtype == torch.float32 and not torch.is_grad_enabled():
             o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions, kv_bound)
             return self.wo(o.reshape(B, T, self.nh * self.hd))
+        keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
         if mask is None:
             mask = attention_mask(positions, kv_bound)
         if T <= 8:
-            o = self._decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
+            o = few_query_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
                                                attn_mask=mask, enable_gqa=self.nh != self.nkv).transpose(1, 2)
         return self.wo(o.reshape(B, T, self.nh * self.hd))
-
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor) -> torch.Tensor:
-        """Few-query attention as two small matmuls; the query heads of one KV group share a matmul
-        (GQA without repeating K/V). q [B, T, nh, D], keys/values [B, nkv, S, D] -> [B, T, nh, D]."""
-        B, T = q.shape[:2]
-        g = self.nh // self.nkv
-        qg = q.view(B, T, self.nkv, g, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.nkv, g * T, self.hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * (self.hd ** -0.5)   # [B, nkv, g*T, S]
-        m = mask[:, :, None].expand(B, 1, g, T, -1).reshape(B, 1, g * T, -1)
-        scores = scores.masked_fill(~m, float("-inf"))
-        o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)  # [B, nkv, g*T, D]
-        return o.view(B, self.nkv, g, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.nh, self.hd)
 
 
 class MLP(nn.Module):

@@ -100,11 +100,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 # ---- decode hot path (twins of triton_kernels/decode.py) -----------------------------------------
 def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D] rotated in place (half-split RoPE, fp32 math, as model.apply_rope); cos/sin [N, D]."""
-    d = x.shape[-1] // 2
-    xf = x.float()
-    rot = torch.cat([-xf[..., d:], xf[..., :d]], dim=-1)
-    x.copy_((xf * cos[:, None] + rot * sin[:, None]).to(x.dtype))
+    """x [N, heads, D] rotated in place by model.apply_rope (half-split, fp32 math); cos/sin [N, D]."""
+    from .model import apply_rope
+
+    x.copy_(apply_rope(x[None], cos[None], sin[None])[0])
     return x
 
 
@@ -117,16 +116,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      kv_bound: int) -> torch.Tensor:
     """q [B, T, nh, D] over caches [Bc, nkv, S, D]: a query at position p reads slots <= min(p, kv_bound - 1).
-    fp32 scores and softmax; GQA by grouping query heads (K/V not repeated)."""
-    B, T, nh, D = q.shape
-    nkv = k_cache.shape[1]
-    g = nh // nkv
+    The model's own few-query path, computed in fp32 (GQA by grouping query heads)."""
+    from .model import attention_mask, few_query_attention
+
+    B = q.shape[0]
     keys, values = k_cache[:B, :, :kv_bound].float(), v_cache[:B, :, :kv_bound].float()
-    slots = torch.arange(kv_bound, device=q.device)
-    mask = slots[None, None, :] <= positions[:, :, None]                               # [B, T, S]
-    qg = q.float().view(B, T, nkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, D)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * D ** -0.5                     # [B, nkv, g*T, S]
-    m = mask[:, None, None].expand(B, 1, g, T, kv_bound).reshape(B, 1, g * T, kv_bound)
-    p = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1)
-    o = torch.matmul(p, values)                                                        # [B, nkv, g*T, D]
-    return o.view(B, nkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, nh, D).to(q.dtype)
+    return few_query_attention(q.float(), keys, values, attention_mask(positions, kv_bound)).to(q.dtype)

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gguf_loader import _LAYER_NAMES, _open, _unpermute
+from .gguf_loader import _open, _unpermute
+from .model import PACKED_MAX_ROWS as MAX_ROWS  # noqa: F401  (re-exported: the row limit of the packed path)
 
-MAX_ROWS = 16  # rows per call served by the packed ops; larger batches (prefill) use the fp32 GEMM
 _KINDS = {"Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 
 
@@ -87,7 +87,6 @@ def read_packed(gguf_path: str | Path, cfg: dict[str, Any]) -> dict[str, dict[st
     packed = fuse([head], [None])
     if packed is not None:
         out["lm_head"] = packed
-    assert set(_LAYER_NAMES)  # the names above follow gguf_loader's table
     return out
 
 
@@ -131,6 +130,12 @@ def attach(model: torch.nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -
     return count
 
 
+def _cpu_fp32(model: torch.nn.Module) -> bool:
+    """The model's (real, non-meta) weights are fp32 on the CPU: what the C++ decode ops serve."""
+    p0 = next((p for p in model.parameters() if not p.is_meta), None)
+    return p0 is not None and p0.dtype == torch.float32 and p0.device.type == "cpu"
+
+
 def fused_enabled() -> bool:
     return os.environ.get("SPD_FAST_FUSED", "1") not in ("0", "false", "no")
 
@@ -140,8 +145,7 @@ def enable_fused_ops(model: torch.nn.Module) -> bool:
     (csrc/gguf_linear.cpp) instead of a dozen small ATen ops each. Off with SPD_FAST_FUSED=0."""
     from .model import Attention, RMSNorm
 
-    p0 = next((p for p in model.parameters() if not p.is_meta), None)
-    on = fused_enabled() and p0 is not None and p0.dtype == torch.float32 and p0.device.type == "cpu"
+    on = fused_enabled() and _cpu_fp32(model)
     if on:
         from . import cpp_ops
 
@@ -155,10 +159,7 @@ def enable_fused_ops(model: torch.nn.Module) -> bool:
 def maybe_attach(model: torch.nn.Module, model_dir: Path) -> int:
     """Attach the GGUF blocks of a converted GGUF directory, when everything allows it; else 0."""
     marker = Path(model_dir) / "spd_fast_converted.json"
-    if not enabled() or not marker.is_file():
-        return 0
-    p0 = next((p for p in model.parameters() if not p.is_meta), None)
-    if p0 is None or p0.dtype != torch.float32 or p0.device.type != "cpu":
+    if not enabled() or not marker.is_file() or not _cpu_fp32(model):
         return 0
     source = Path(json.loads(marker.read_text()).get("source", ""))
     if not source.is_file():

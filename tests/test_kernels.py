@@ -422,7 +422,7 @@ def test_swiglu_triton_matches_the_model_mlp(device, dtype, atol, rtol):
 def test_decode_attention_split_k_matches_the_model(device, splits, cpp):
     """Split-K attention == the model's few-query path for GQA, per-row positions, kv_bound below
     a row's position (that row reads only the bound), and chunks with no valid slot."""
-    from spd_fast.model import Attention, attention_mask
+    from spd_fast.model import attention_mask, few_query_attention
     from spd_fast.triton_kernels.decode import launch_decode_attention
 
     dev = triton_device(device)
@@ -431,10 +431,8 @@ def test_decode_attention_split_k_matches_the_model(device, splits, cpp):
     q = torch.randn(B, T, nh, D, generator=g)
     kc, vc = torch.randn(2, nkv, S, D, generator=g), torch.randn(2, nkv, S, D, generator=g)
     positions = torch.tensor([[2, 20, 39]])
-    att = Attention.__new__(Attention)
-    att.nh, att.nkv, att.hd = nh, nkv, D
     for bound in (32, S):
-        want = Attention._decode_attention(att, q, kc[:B, :, :bound], vc[:B, :, :bound], attention_mask(positions, bound))
+        want = few_query_attention(q, kc[:B, :, :bound], vc[:B, :, :bound], attention_mask(positions, bound))
         got = launch_decode_attention(q.to(dev), kc.to(dev), vc.to(dev), positions.to(dev), bound, splits=splits)
         assert_close_verbose(got, want, 1e-5, 1e-5, f"triton split-K, bound {bound}")
         twin = kernels.decode_attention(q, kc, vc, positions, bound, backend="torch")
