@@ -85,6 +85,24 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     assert state["step"] == 6
 
 
+def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoint, tmp_path):
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
+    first = train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    # other data would give another draft vocabulary; the warm start keeps the saved one
+    other = _samples(m, 12, seed=5)
+    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    warm = train(FakeTarget(m), other, tmp_path / "b", num_stages=3, draft_vocab_size=50, cfg=zero,
+                 log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+    assert torch.equal(warm.draft_vocab, first.draft_vocab)
+    for (k, v), (_, v2) in zip(first.state_dict().items(), warm.state_dict().items()):
+        torch.testing.assert_close(v.to(v2.dtype), v2, atol=1e-2, rtol=1e-2, msg=k)  # saved in bf16
+    with pytest.raises(SpdConfigError, match="cannot warm-start.*num_layers: 1 vs 2.*--draft-layers"):
+        train(FakeTarget(m), other, tmp_path / "c", num_stages=3, draft_layers=2, draft_vocab_size=50, cfg=zero,
+              log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+
+
 def test_head_refuses_other_n_and_other_model(tiny_checkpoint, tmp_path):
     m = tiny_target(tiny_checkpoint("llama"))
     head = init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 3, 6), fingerprint="abc"), m.cfg, m.norm), m)

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--init", default=None,
+                   help="warm-start from this head directory (same n, anchors, L_s, V_d), e.g. to fine-tune "
+                        "the shipped head on new data")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the teacher every step instead of caching its states on disk once (saves disk, costs time)")
     return p
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                           save_every=a.save_every)
         t0 = time.perf_counter()
         train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
-              resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache)
+              resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init)
         log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)

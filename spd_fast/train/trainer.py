@@ -266,15 +266,37 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
     return (ids, lens, mask), (states, arg, cache.layers)
 
 
+def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
+    """Copy a saved head's weights and draft vocabulary into `head` (same n, anchors, L_s, V_d)."""
+    from ..config import SpdConfigError
+    from ..pdm import load_draft
+
+    src = load_draft(init, target_obj.model, target_obj.fingerprint)
+    a, b = src.dcfg, head.dcfg
+    diffs = [f"{k}: {getattr(a, k)} vs {getattr(b, k)}" for k in ("boundaries", "anchors", "num_layers",
+                                                                   "draft_vocab_size")
+             if getattr(a, k) != getattr(b, k)]
+    if diffs:
+        raise SpdConfigError(f"cannot warm-start from {init}: it differs from the requested head ("
+                             + "; ".join(diffs) + "); pass matching --num-stages/--anchors/--draft-layers/"
+                             "--draft-vocab or drop --init")
+    with torch.no_grad():
+        head.load_state_dict(src.state_dict())
+    set_draft_vocab(head, src.draft_vocab, target_obj.model)
+
+
 def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
           boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
           draft_vocab_size: int = 16384, cfg: TrainConfig = TrainConfig(), resume: bool = True,
-          log=print, feature_cache: bool = True) -> DraftHead:
+          log=print, feature_cache: bool = True, init: str | Path | None = None) -> DraftHead:
     """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"}).
 
     With `feature_cache`, the teacher runs once over all samples first and its states are stored
     under out_dir/feature_cache (see features.py); every step then reads them instead of running
-    the 30-layer target again."""
+    the 30-layer target again.
+
+    `init` warm-starts from a saved head (its weights and its draft vocabulary; n, anchors, L_s and
+    V_d must match): fine-tuning an existing head on new data is much cheaper than starting over."""
     from ..config import uniform_boundaries
 
     torch.manual_seed(cfg.seed)
@@ -285,7 +307,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     dcfg = DraftConfig.make(tgt.cfg, b, tuple(anchors) if anchors is not None else None, draft_layers, vd,
                             target_obj.fingerprint)
     head = init_from_target(DraftHead(dcfg, tgt.cfg, tgt.norm), tgt, cfg.seed)
-    set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
+    if init is not None:
+        warm_start(head, init, target_obj)
+    else:
+        set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
     trainer = PdmTrainer(tgt, head, cfg)
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
