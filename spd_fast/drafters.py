@@ -42,27 +42,65 @@ class PdmDrafter:
         return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, params, generator)
 
 
+    def draft_static(self, engine: SPDEngine, cyc, params: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draft` without host reads, for pipeline.DeviceCycle: always n + 1 rows (cyc.pdm_pos,
+        with unneeded rows on the scratch slot), attention over the whole static cache."""
+        head = self.head
+        g = head.aggregate(cyc.pdm_rows, cyc.pdm_types)
+        h = head.tower(g[None], cyc.pdm_pos[None], head.max_len)
+        logits = head.draft_logits(h[0, -1])
+        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, params, generator)
+
+
 class ReferenceDrafter:
     """Test drafter that knows the target's greedy continuation `reference` (token ids by position).
 
-    mode="oracle" proposes the target's own next token; mode="wrong" a token it never picks.
+    mode="oracle" proposes the target's own next token; mode="wrong" a token it never picks;
+    mode="bernoulli" is right with probability `p_right` (device random numbers, seeded), which
+    imposes a chosen acceptance rate on timing runs. `head`, if given, is run every cycle and its
+    draft discarded, so timings include the real PDM's cost.
     """
 
-    def __init__(self, reference: Sequence[int], vocab_size: int, mode: str = "oracle"):
-        if mode not in ("oracle", "wrong"):
-            raise ValueError("mode must be 'oracle' or 'wrong'")
+    def __init__(self, reference: Sequence[int], vocab_size: int, mode: str = "oracle", p_right: float = 1.0,
+                 seed: int = 0, head: DraftHead | None = None):
+        if mode not in ("oracle", "wrong", "bernoulli"):
+            raise ValueError("mode must be 'oracle', 'wrong' or 'bernoulli'")
+        if not 0.0 <= p_right <= 1.0:
+            raise ValueError(f"p_right must lie in [0, 1], got {p_right}")
         self.ref = torch.tensor(list(reference) + [0] * 4096)
-        self.vocab_size, self.mode = vocab_size, mode
+        self.vocab_size, self.mode, self.p_right, self.seed = vocab_size, mode, p_right, seed
+        self.head = PdmDrafter(head) if head is not None else None
+        self.rng: torch.Generator | None = None
 
     def prefill(self, engine: SPDEngine, st: PipelineState) -> None:
-        self.ref = self.ref.to(st.tokens.device)
+        dev = st.tokens.device
+        self.ref = self.ref.to(dev)
+        if self.rng is None or self.rng.device != dev:
+            self.rng = torch.Generator(device=dev)
+        self.rng.manual_seed(self.seed)
+        if self.head is not None:
+            self.head.prefill(engine, st)
 
-    def draft(self, engine, st, params, generator):
-        tok = self.ref[st.p_new + 1]
+    def _propose(self, p_new: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tok = self.ref.index_select(0, (p_new + 1).view(1))[0]
+        wrong = (tok + 1) % self.vocab_size
         if self.mode == "wrong":
-            tok = (tok + 1) % self.vocab_size
+            tok = wrong
+        elif self.mode == "bernoulli":
+            u = torch.rand((), generator=self.rng, device=tok.device)
+            tok = torch.where(u < self.p_right, tok, wrong)
         if params.greedy:
             return tok, None
-        q = torch.zeros(self.vocab_size, device=st.tokens.device)
-        q[tok] = 1.0
+        q = torch.zeros(self.vocab_size, device=tok.device).scatter_(0, tok.view(1), 1.0)
         return tok, q
+
+    def draft(self, engine, st, params, generator):
+        if self.head is not None:
+            self.head.draft(engine, st, SamplingParams(), None)
+        return self._propose(st.p_new, params)
+
+    def draft_static(self, engine, cyc, params, generator):
+        if self.head is not None:
+            self.head.draft_static(engine, cyc, SamplingParams(), None)
+        return self._propose(cyc.st.p_new, params)

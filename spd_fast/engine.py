@@ -117,7 +117,7 @@ class SPDEngine:
         anchors = torch.zeros(model.max_len + 1, len(self.anchors), cfg.hidden_size, dtype=model.dtype, device=dev)
         for i, b in enumerate(self.anchors):
             anchors[:P, i] = rec[b][0]
-        first = next_token(model.logits(h[:, -1])[0], params, generator)
+        first = next_token(model.logits(h[:, -1].to(dev))[0], params, generator)
         tokens = torch.zeros(model.max_len + 2, dtype=torch.long, device=dev)
         tokens[:P] = ids[0]
         tokens[P] = first

@@ -226,12 +226,23 @@ class Transformer(nn.Module):
                 and self.layers[0].attn.k_cache.shape[0] >= max_batch:
             return
         shape = (max_batch, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
-        for layer in self.layers:
-            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for layer in self.layers:  # each layer's cache lives with its weights (placement="devices")
+            dev = layer.attn.wqkv.weight.device
+            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
         self.max_len = max_len
         cos, sin = rope_tables(cfg, max_len + 1)
         self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
+        self.__dict__["_rope_by_device"] = {}
+
+    def rope_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables on `device` (copied once per device when stages live on several GPUs)."""
+        if self.rope_cos.device == device:
+            return self.rope_cos, self.rope_sin
+        per = self.__dict__.setdefault("_rope_by_device", {})
+        if str(device) not in per:
+            per[str(device)] = (self.rope_cos.to(device), self.rope_sin.to(device))
+        return per[str(device)]
 
     def free_caches(self) -> None:
         """Drop the KV caches (e.g. after a large-batch teacher pass); setup_caches makes new ones."""
@@ -248,12 +259,19 @@ class Transformer(nn.Module):
         with start <= l <= end (h^l is the state after l layers, before the final norm)."""
         if kv_bound is None:
             kv_bound = kv_bound_for(int(positions.max()), self.max_len)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos_t, sin_t = self.rope_on(positions.device)
+        cos, sin = cos_t[positions], sin_t[positions]
         mask = attention_mask(positions, kv_bound)
         recorded: dict[int, torch.Tensor] = {}
         if start in record:
             recorded[start] = h
+        moves = self.__dict__.get("layer_devices")  # set by pipeline.place_stages (one stage per GPU)
         for li in range(start, end):
+            if moves is not None and h.device != moves[li]:
+                h, positions = h.to(moves[li]), positions.to(moves[li])
+                cos_t, sin_t = self.rope_on(moves[li])
+                cos, sin = cos_t[positions], sin_t[positions]
+                mask = attention_mask(positions, kv_bound)
             h = self.layers[li](h, positions, cos, sin, kv_bound, mask)
             if li + 1 in record:
                 recorded[li + 1] = h
@@ -276,6 +294,11 @@ class Stage:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_bound: int | None = None,
                  record: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         return self.model.run_layers(h, positions, self.start, self.end, kv_bound, record)
+
+    @property
+    def device(self) -> torch.device:
+        layers = self.model.layers
+        return layers[self.start].attn.wqkv.weight.device if self.end > self.start else self.model.device
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, layers [{self.start}, {self.end}))"

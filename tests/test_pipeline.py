@@ -1,0 +1,207 @@
+"""Pipelined executors on CPU: the sync-free DeviceCycle over simulated streams equals the
+sequential executor, never reads the device inside a cycle, orders its hand-offs, stops at EOS;
+placement errors; NVTX switches."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import FAMILIES, tiny_target
+from spd_fast.ar import decode_ar
+from spd_fast.config import SpdConfigError, uniform_boundaries
+from spd_fast.drafters import PdmDrafter, ReferenceDrafter
+from spd_fast.engine import SPDEngine
+from spd_fast.pipeline import PipelinedEngine, resolve_placement
+from spd_fast.sampling import SamplingParams, make_generator
+from spd_fast.streams import SimulatedStreams
+from test_engine import random_head
+
+GREEDY = SamplingParams()
+
+
+def _engines(model, boundaries, drafter_fn, anchors=None):
+    seq = SPDEngine(model, drafter_fn(), boundaries, anchors)
+    pipe = PipelinedEngine(SPDEngine(model, drafter_fn(), boundaries, anchors), "simulated")
+    return seq, pipe
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("lag", [0, 2])
+def test_simulated_pipeline_equals_sequential_and_ar(tiny_checkpoint, n, lag):
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, n)
+    head = random_head(m, b, vocab=97)
+    ids = [5, 17, 3, 9]
+    ref = decode_ar(m, ids, 30, GREEDY, []).token_ids
+    seq, pipe = _engines(m, b, lambda: PdmDrafter(head))
+    pipe.lag = lag
+    a = seq.run(ids, 30, GREEDY, [])
+    got = pipe.run(ids, 30, GREEDY, [])
+    assert got.token_ids == ref == a.token_ids
+    # same drafts -> same accept/reject pattern and the same counters
+    for k in ("cycles", "verifications", "accepted", "new_tokens"):
+        assert got.metrics[k] == a.metrics[k], k
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["oracle", "wrong", "bernoulli"])
+def test_simulated_pipeline_families_and_accept_patterns(tiny_checkpoint, family, mode):
+    m = tiny_target(tiny_checkpoint(family))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    ids = [7, 1, 30]
+    ref = decode_ar(m, ids, 25, GREEDY, []).token_ids
+    full = [0] * len(ids) + ref
+    mk = lambda: ReferenceDrafter(full, m.cfg.vocab_size, mode, p_right=0.5, seed=3)  # noqa: E731
+    seq, pipe = _engines(m, b, mk)
+    a, got = seq.run(ids, 25, GREEDY, []), pipe.run(ids, 25, GREEDY, [])
+    assert got.token_ids == ref == a.token_ids
+    expect = {"oracle": 1.0, "wrong": 0.0}.get(mode)
+    if expect is not None:
+        assert got.metrics["acceptance_rate"] == expect
+    else:
+        assert 0.0 < got.metrics["acceptance_rate"] < 1.0
+        assert got.metrics["accepted"] == a.metrics["accepted"]
+
+
+def test_pipeline_default_model_equals_ar(default_target):
+    m = default_target.model
+    b = uniform_boundaries(30, 3)
+    ids = default_target.encode([{"role": "user", "content": "Name two colours."}])
+    ref = decode_ar(m, ids, 16, GREEDY, default_target.eos_ids).token_ids
+    head = random_head(m, b)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(head), b), "simulated")
+    assert pipe.run(ids, 16, GREEDY, default_target.eos_ids).token_ids == ref
+
+
+def test_stops_at_eos_and_length_without_returning_unverified_tokens(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    ids = [2, 4, 6]
+    ref = decode_ar(m, ids, 30, GREEDY, []).token_ids
+    eos = ref[9]
+    cut = ref[: ref.index(eos) + 1]
+    full = [0] * len(ids) + ref
+    pipe = PipelinedEngine(SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size), b), "simulated", lag=3)
+    got = pipe.run(ids, 30, GREEDY, [eos])
+    assert got.token_ids == cut and got.finished_by_eos
+    # the cycles run past the EOS (the host reads lag cycles late) but nothing beyond it is returned
+    assert int(pipe.last_state.cycles) > got.metrics["cycles"]
+    short = pipe.run(ids, 5, GREEDY, [])
+    assert short.token_ids == ref[:5] and not short.finished_by_eos
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any op that copies a device value to the host (.item(), int(), bool(), nonzero)."""
+    BANNED = ("_local_scalar_dense", "nonzero", "masked_select", "unique")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(b in func.name() for b in self.BANNED):
+            raise AssertionError(f"host read inside a cycle: {func.name()}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_device_cycle_never_reads_the_device(tiny_checkpoint, temperature):
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    params = SamplingParams(temperature=temperature, seed=1)
+    gen = make_generator(params, "cpu")
+    st, _ = pipe.engine.start([3, 1, 4], params, gen)
+    cyc = pipe._static(st, params, gen)
+    with torch.inference_mode(), _NoHostReads():
+        for _ in range(6):  # warm-up, full pipeline, accepts and rejects
+            cyc.run(pipe.rt)
+    assert int(cyc.st.cycles) == 6
+    # the checker itself works
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+        int(torch.tensor(3) + 1)
+
+
+def test_handoffs_are_ordered_and_stages_are_concurrent(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"))
+    n = 3
+    b = uniform_boundaries(m.cfg.num_layers, n)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    pipe.run([1, 2, 3], 8, GREEDY, [])
+    rt: SimulatedStreams = pipe.rt
+    hb = SimulatedStreams.happens_before
+    # split the log into cycles: each starts with a "pre" mark
+    cycles, cur = [], []
+    for label, stream, clock in rt.log:
+        if label == ("pre",) and cur:
+            cycles.append(cur)
+            cur = []
+        cur.append((label, stream, clock))
+    cycles.append(cur)
+    assert len(cycles) >= 7
+    prev_post = None
+    for c in cycles:
+        by = {lab: (s, clk) for lab, s, clk in c}
+        pre, post = by[("pre",)], by[("post",)]
+        assert pre[0] == "main" and post[0] == "main"
+        work = [by[("draft",)]] + [by[("stage", s)] for s in range(n)]
+        assert work[0][0] == "pdm" and [w[0] for w in work[1:]] == [f"stage{s}" for s in range(n)]
+        for _, clk in work:
+            assert hb(pre[1], clk) and hb(clk, post[1])  # fork before, join after
+        for i in range(len(work)):  # nothing orders the draft and the stages among themselves
+            for j in range(len(work)):
+                if i != j:
+                    assert not hb(work[i][1], work[j][1])
+        if prev_post is not None:  # cycles are serial
+            assert hb(prev_post, pre[1])
+        prev_post = post[1]
+
+
+def test_placement_errors_name_what_exists():
+    assert resolve_placement("sequential", "cpu", 3) == [torch.device("cpu")] * 3
+    assert resolve_placement("local", "cpu", 2) == [torch.device("cpu")] * 2
+    if not torch.cuda.is_available():
+        with pytest.raises(SpdConfigError, match="placement='streams' runs the stages on CUDA GPUs.*CUDA available: "
+                                                 "False.*placement='sequential'"):
+            resolve_placement("streams", "cpu", 3)
+        with pytest.raises(SpdConfigError, match="placement='devices'.*none"):
+            resolve_placement("devices", "cuda", 2)
+    with pytest.raises(SpdConfigError, match="placement must be one of"):
+        resolve_placement("gpus", "cpu", 2)
+
+
+def test_pipelined_engine_rejects_bad_options(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 2)
+    eng = SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b)
+    with pytest.raises(SpdConfigError, match="placement must be 'streams', 'devices' or 'simulated'"):
+        PipelinedEngine(eng, "threads")
+    with pytest.raises(SpdConfigError, match="cuda_graphs=True needs placement='streams' on a CUDA device"):
+        PipelinedEngine(eng, "simulated", cuda_graphs=True)
+
+    class HostDrafter:
+        def prefill(self, *a):
+            pass
+
+        def draft(self, *a):
+            pass
+
+    with pytest.raises(SpdConfigError, match="HostDrafter has no draft_static"):
+        PipelinedEngine(SPDEngine(m, HostDrafter(), b), "simulated")
+
+
+def test_nvtx_switch(monkeypatch):
+    from spd_fast import profiling
+
+    calls = []
+    monkeypatch.setattr(profiling, "_backend", lambda: (lambda name: calls.append(("push", name)),
+                                                         lambda: calls.append(("pop",))))
+    profiling.set_nvtx(True)
+    try:
+        with profiling.nvtx_range("spd.stage0"):
+            calls.append(("work",))
+    finally:
+        profiling.set_nvtx(False)
+    with profiling.nvtx_range("spd.stage0"):
+        calls.append(("off",))
+    assert calls == [("push", "spd.stage0"), ("work",), ("pop",), ("off",)]
+    monkeypatch.setattr(profiling, "_backend", lambda: None)
+    with pytest.raises(RuntimeError, match="pip install nvtx"):
+        profiling.set_nvtx(True)
