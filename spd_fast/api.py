@@ -19,7 +19,10 @@ from .sampling import SamplingParams, make_generator
 
 HEADS_DIR = Path(__file__).parent / "heads"
 METHODS = ("spd", "ar")
-PLACEMENTS = ("local", "distributed")  # distributed: one stage per torchrun rank (spd_fast/distributed/)
+# local = sequential: the reference executor (CPU and GPU); streams: one GPU, a CUDA stream per stage,
+# the cycle as a CUDA graph; devices: one stage per GPU (spd_fast/pipeline.py); distributed: one stage
+# per torchrun rank (spd_fast/distributed/)
+PLACEMENTS = ("local", "sequential", "streams", "devices", "distributed")
 
 
 @dataclass
@@ -48,22 +51,36 @@ class Engine:
     """A loaded target model plus a draft head for one pipeline shape; reusable across calls."""
 
     def __init__(self, target: Target, head: DraftHead | None, boundaries: tuple[int, ...], max_len: int,
-                 draft_source: str):
+                 draft_source: str, placement: str = "local", cuda_graphs: bool | None = None):
         self.target, self.head, self.boundaries = target, head, boundaries
         self.num_stages = len(boundaries) - 1
         self.max_len = max_len
         self.draft_source = draft_source
+        self.placement = placement
         target.model.setup_caches(1, max_len)
         anchors = head.dcfg.anchors if head is not None else None
         self.spd = SPDEngine(target.model, PdmDrafter(head), boundaries, anchors) if head is not None else None
+        self.pipelined = None
+        self.graphed_ar = None
+        if placement in ("streams", "devices"):
+            from .graphed_ar import GraphedAR
+            from .pipeline import PipelinedEngine
+
+            if self.spd is not None:
+                self.pipelined = PipelinedEngine(self.spd, placement, cuda_graphs)
+            self.graphed_ar = GraphedAR(target.model, cuda_graphs if placement == "streams" else False)
 
     # -- one prompt -------------------------------------------------------------------------------
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
         gen = make_generator(params, self.target.model.device)
         if method == "ar":
-            dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
-            yield from dec
+            if self.graphed_ar is not None:  # the strong baseline of the GPU placements
+                dec = self.graphed_ar
+                yield from dec.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+            else:
+                dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+                yield from dec
             res = dec.result
             self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
                                                  "decode_seconds": res.decode_seconds,
@@ -71,8 +88,9 @@ class Engine:
             return
         if self.spd is None:
             raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
-        yield from self.spd.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
-        self._last = (self.spd.last_finished_by_eos, dict(self.spd.last_metrics))
+        runner = self.pipelined if self.pipelined is not None else self.spd
+        yield from runner.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+        self._last = (runner.last_finished_by_eos, dict(runner.last_metrics))
 
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd"
@@ -130,12 +148,18 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int = 3,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
-         progress: bool = True, placement: str = "local") -> Engine:
+         progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None) -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
     else a random head with a warning), or "random" (a seeded random head of the right shape).
-    placement="distributed" (call it on every rank of a torchrun job) loads only this rank's stage."""
+    placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
+    replayed as a CUDA graph unless cuda_graphs=False), "devices" (one stage per GPU), or
+    "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
     if placement not in PLACEMENTS:
         raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement in ("streams", "devices"):
+        from .pipeline import resolve_placement
+
+        resolve_placement(placement, device, len(boundaries) - 1 if boundaries is not None else num_stages)
     if placement == "distributed":
         from .distributed import load_distributed
 
@@ -173,7 +197,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head = load_draft(draft, net, target.fingerprint, num_stages,
                           tuple(boundaries) if boundaries is not None else None, net.dtype, net.device)
         b = head.dcfg.boundaries
-    return Engine(target, head, b, max_len, source)
+    return Engine(target, head, b, max_len, source, placement, cuda_graphs)
 
 
 _ENGINES: dict[tuple, Engine] = {}

@@ -44,6 +44,10 @@ def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--placement", default="local", choices=["local", "sequential", "streams", "devices"],
+                   help="executor: local/sequential (default, CPU or GPU), streams (one GPU, a CUDA stream per "
+                        "stage, CUDA graphs), devices (one stage per GPU)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="placement=streams: run the cycle eagerly")
     p.add_argument("--kernels", choices=["auto", "torch", "cpp", "triton"],
                    help="backend of the cycle's fused ops (spd_fast.kernels; default: the library's)")
 
@@ -73,7 +77,9 @@ def load_engine(args: argparse.Namespace, num_stages: int, quiet: bool, draft: s
         warnings.simplefilter("always")
         eng = spd_fast.load(model=args.model, draft=draft if draft is not None else args.draft,
                             num_stages=num_stages, dtype=args.dtype, device=args.device,
-                            max_len=getattr(args, "max_len", 2048), progress=not quiet)
+                            max_len=getattr(args, "max_len", 2048), progress=not quiet,
+                            placement=getattr(args, "placement", "local"),
+                            cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
     if not quiet:
         for w in caught:  # ours only: library deprecation chatter is not the user's business here
             if str(Path(w.filename).resolve()).startswith(_PKG):

@@ -316,7 +316,7 @@ class PipelinedEngine:
         yield first
         if first in eos or max_new_tokens == 1:
             return
-        reader = _Readback(st, cyc.engine.model.device)
+        reader = Readback(st.tokens, [st.p_new, st.fill, st.cycles, st.verifications, st.accepts])
         committed, next_out = 1, P + 1
         launched, seen = 0, 0          # cycles launched / cycles covered by the last snapshot read
         pending: deque = deque()
@@ -334,7 +334,8 @@ class PipelinedEngine:
                 if not pending:
                     break
                 with nvtx_range("spd.readback"):
-                    seen, toks, p_old, counters = reader.read(pending.popleft())
+                    seen, toks, (p_new_h, fill_h, *counters) = reader.read(pending.popleft())
+                p_old = p_new_h - fill_h + 1
                 stop = False
                 while next_out <= p_old and not stop:
                     tok = int(toks[next_out])
@@ -358,38 +359,37 @@ class PipelinedEngine:
         return SpdResult(toks, self.last_finished_by_eos, dict(self.last_metrics))
 
 
-class _Readback:
-    """Device -> host copies of the token array and counters, one buffer per launched cycle in
-    flight (pinned and asynchronous on CUDA; a plain copy on CPU)."""
+class Readback:
+    """Device -> host copies of a token array and a few scalar counters, one buffer per launched
+    step in flight (pinned and asynchronous on CUDA; a plain copy on CPU). `snapshot()` after a
+    step, `read()` when the host wants it (waits only for that step)."""
 
-    def __init__(self, st: PipelineState, device: torch.device):
-        self.st, self.cuda = st, device.type == "cuda"
+    def __init__(self, tokens: torch.Tensor, scalars: Sequence[torch.Tensor]):
+        self.tokens, self.scalars = tokens, list(scalars)
+        self.cuda = tokens.device.type == "cuda"
         self.free: list[torch.Tensor] = []
 
     def _buffer(self) -> torch.Tensor:
         if self.free:
             return self.free.pop()
-        n = self.st.tokens.numel() + 5
-        return torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
+        return torch.empty(self.tokens.numel() + len(self.scalars), dtype=torch.long, pin_memory=self.cuda)
 
-    def snapshot(self, cycle_no: int):
-        st = self.st
-        dev = torch.cat([st.tokens, st.p_new.view(1), st.fill.view(1), st.cycles.view(1),
-                         st.verifications.view(1), st.accepts.view(1)])
+    def snapshot(self, step_no: int):
+        dev = torch.cat([self.tokens] + [x.view(1).long() for x in self.scalars])
         host = self._buffer()
         host.copy_(dev, non_blocking=self.cuda)
         ev = None
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
-        return cycle_no, host, ev
+        return step_no, host, ev
 
-    def read(self, snap) -> tuple[int, torch.Tensor, int, tuple[int, int, int]]:
-        cycle_no, host, ev = snap
+    def read(self, snap) -> tuple[int, torch.Tensor, list[int]]:
+        step_no, host, ev = snap
         if ev is not None:
             ev.synchronize()
-        T = self.st.tokens.numel()
-        p_new, fill, cycles, ver, acc = host[T:].tolist()
+        T = self.tokens.numel()
+        scal = host[T:].tolist()
         toks = host[:T].clone()
         self.free.append(host)
-        return cycle_no, toks, p_new - fill + 1, (cycles, ver, acc)
+        return step_no, toks, scal

@@ -146,6 +146,10 @@ def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):
     pytest.param(["eval", "--categories", "poetry"], "subset of chat,math,code", id="eval-category"),
     pytest.param(["eval", "--limit", "0"], "expected a positive integer", id="eval-limit"),
     pytest.param(["frobnicate"], "invalid choice", id="unknown-command"),
+    pytest.param(["generate", "--user", "hi", "--placement", "gpus"], "invalid choice: 'gpus'", id="placement"),
+    *([pytest.param(["generate", "--user", "hi", "--placement", "streams"],
+                    "placement='streams' runs the stages on CUDA GPUs", id="streams-on-cpu")]
+      if not __import__("torch").cuda.is_available() else []),
     pytest.param(["train"], "the following arguments are required: --out", id="train-no-out"),
 ])
 def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):

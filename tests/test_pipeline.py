@@ -205,3 +205,39 @@ def test_nvtx_switch(monkeypatch):
     monkeypatch.setattr(profiling, "_backend", lambda: None)
     with pytest.raises(RuntimeError, match="pip install nvtx"):
         profiling.set_nvtx(True)
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_static_ar_step_equals_ar(tiny_checkpoint, default_target, lag):
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("qwen3"))
+    ids = [3, 9, 27]
+    ref = decode_ar(m, ids, 30, GREEDY, []).token_ids
+    g = GraphedAR(m, lag=lag)
+    assert g.run(ids, 30, GREEDY, []).token_ids == ref
+    eos = ref[6]
+    got = g.run(ids, 30, GREEDY, [eos])
+    assert got.token_ids == ref[: ref.index(eos) + 1] and got.finished_by_eos
+    params = SamplingParams(temperature=0.9, seed=4)
+    a = decode_ar(m, ids, 20, params, [], make_generator(params, "cpu")).token_ids
+    b = g.run(ids, 20, params, [], make_generator(params, "cpu")).token_ids
+    assert a == b  # the same random stream: one draw per token in both
+    dm = default_target.model
+    dids = default_target.encode("Hello")
+    assert GraphedAR(dm, lag=lag).run(dids, 12, GREEDY, default_target.eos_ids).token_ids == \
+        decode_ar(dm, dids, 12, GREEDY, default_target.eos_ids).token_ids
+    with pytest.raises(SpdConfigError, match="cuda_graphs=True needs the model on a CUDA device"):
+        GraphedAR(m, cuda_graphs=True)
+
+
+def test_api_placement_errors_before_loading_anything():
+    import spd_fast
+
+    with pytest.raises(SpdConfigError, match="placement must be one of"):
+        spd_fast.load(placement="threads")
+    if not torch.cuda.is_available():
+        with pytest.raises(SpdConfigError, match="placement='streams' runs the stages on CUDA GPUs"):
+            spd_fast.load(placement="streams")
+        with pytest.raises(SpdConfigError, match="placement='devices' runs the stages on CUDA GPUs"):
+            spd_fast.generate("hi", placement="devices")

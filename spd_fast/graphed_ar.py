@@ -1,0 +1,128 @@
+"""The strong AR baseline: a static decode step (token, position and output on the device, attention
+over the whole static cache), captured as one CUDA graph on a GPU and replayed per token, with the
+same asynchronous host readback as the pipelined SPD executors. On CPU the step runs eagerly (it is
+the same computation; tests use it there)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterator, Sequence
+
+import torch
+
+from .ar import DecodeResult, check_capacity, prefill
+from .model import Transformer
+from .pipeline import Readback
+from .profiling import nvtx_range
+from .sampling import SamplingParams, next_token
+
+
+class GraphedAR:
+    def __init__(self, model: Transformer, cuda_graphs: bool | None = None, lag: int = 2):
+        self.model, self.lag = model, max(0, int(lag))
+        on_cuda = model.device.type == "cuda"
+        self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not on_cuda:
+            from .config import SpdConfigError
+
+            raise SpdConfigError("cuda_graphs=True needs the model on a CUDA device")
+        dev = model.device
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.tokens: torch.Tensor | None = None
+        self._graph = None
+        self._key: tuple | None = None
+
+    def step(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """One token: logits at pos -> next token, written at pos + 1; pos advances. No host reads."""
+        with nvtx_range("ar.step"):
+            logits = self.model(self.tok, self.pos, kv_bound=self.model.max_len)[0, -1]
+            nxt = next_token(logits, params, generator)
+            self.pos += 1
+            self.tokens.index_copy_(0, self.pos.view(1), nxt.view(1))
+            self.tok.copy_(nxt.view(1, 1))
+
+    def _prepare(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        m = self.model
+        key = (m.max_len, params, id(generator))
+        if self.tokens is None or self._key != key:
+            self.tokens = torch.zeros(m.max_len + 2, dtype=torch.long, device=m.device)
+            self._key, self._graph = key, None
+        if self.cuda_graphs and self._graph is None:
+            tok, pos = self.tok.clone(), self.pos.clone()
+            side = torch.cuda.Stream(device=m.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(params, generator)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            if generator is not None:
+                g.register_generator_state(generator)
+            with torch.cuda.graph(g):
+                self.step(params, generator)
+            self.tok.copy_(tok)
+            self.pos.copy_(pos)
+            torch.cuda.synchronize()
+            self._graph = g
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
+        m = self.model
+        check_capacity(m, len(prompt_ids), max_new_tokens, extra=self.lag + 2)
+        eos = set(int(e) for e in eos_ids)
+        P = len(prompt_ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            with nvtx_range("ar.prefill"):
+                first = next_token(prefill(m, prompt_ids), params, generator)
+            self._prepare(params, generator)
+            self.tok.copy_(first.view(1, 1))
+            self.pos.fill_(P)
+            self.tokens[P] = first
+            t1 = time.perf_counter()
+        out = [int(first)]
+        self.result = DecodeResult(out, t1 - t0, 0.0, out[0] in eos, {})
+        yield out[0]
+        if out[0] in eos or max_new_tokens == 1:
+            return
+        reader = Readback(self.tokens, [self.pos])
+        pending: deque = deque()
+        launched = seen = 0
+        finished = False
+        t_dec = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                if len(out) + (launched - seen) < max_new_tokens:
+                    if self._graph is not None:
+                        self._graph.replay()
+                    else:
+                        self.step(params, generator)
+                    launched += 1
+                    pending.append(reader.snapshot(launched))
+                    if len(pending) <= self.lag:
+                        continue
+                if not pending:
+                    break
+                seen, toks, (pos,) = reader.read(pending.popleft())
+                stop = False
+                for p in range(P + len(out), pos + 1):
+                    t = int(toks[p])
+                    out.append(t)
+                    yield t
+                    finished = t in eos
+                    stop = finished or len(out) >= max_new_tokens
+                    if stop:
+                        break
+                if stop:
+                    break
+        dt = time.perf_counter() - t_dec
+        steps = max(1, len(out) - 1)
+        self.result = DecodeResult(out, t1 - t0, dt, finished,
+                                   {"ms_per_token": 1e3 * dt / steps, "tokens_per_second": (len(out) - 1) / max(dt, 1e-9)})
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+            eos_ids: Sequence[int], generator: torch.Generator | None = None) -> DecodeResult:
+        for _ in self.generate(prompt_ids, max_new_tokens, params, eos_ids, generator):
+            pass
+        return self.result
