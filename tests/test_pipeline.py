@@ -241,3 +241,39 @@ def test_api_placement_errors_before_loading_anything():
             spd_fast.load(placement="streams")
         with pytest.raises(SpdConfigError, match="placement='devices' runs the stages on CUDA GPUs"):
             spd_fast.generate("hi", placement="devices")
+
+
+def test_gpu_check_script_dry_run_on_cpu(tmp_path):
+    """bench/gpu_check.py's logic (exactness checks, timing plumbing, report) on CPU, tiny shapes."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--num-stages", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rep["errors"] == [] and rep["exactness"] and all(c["ok"] for c in rep["exactness"])
+    spd = rep["timing_tiny"]["spd"][0]
+    assert spd["n"] == 2 and spd["exact"] and len(spd["stage_us"]) == 2
+    assert "== gpu_check summary ==" in r.stdout and "| tiny |" in r.stdout
+    # without a GPU and without --cpu-dry-run it says what to do
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "no CUDA device here" in r.stderr
+
+
+def test_nvtx_env_switch_and_profile_script_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import spd_fast.profiling as p; assert p.nvtx_enabled()\n"
+            "with p.nvtx_range('spd.stage0'):\n    pass\nprint('ranges ok')")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SPD_FAST_NVTX="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ranges ok" in r.stdout, r.stderr
+    r = subprocess.run(["bash", "bench/profile_nsys.sh", str(tmp_path)], env=dict(os.environ, PATH="/usr/bin:/bin"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "nsys (Nsight Systems) is not on PATH" in r.stderr

@@ -1,0 +1,339 @@
+"""The GPU check: one command, one device lease (about 8 minutes on one H200).
+
+    python bench/gpu_check.py --out "$OUT"          # on the GPU machine
+    python bench/gpu_check.py --cpu-dry-run --out /tmp/x   # the same logic on CPU, tiny shapes (CI)
+
+1. GPU kernel tests (tests/test_kernels.py compiled, not interpreted) and the kernel benchmark.
+2. Exactness: greedy SPD == AR token for token with every placement this machine has (sequential,
+   streams eager, streams + CUDA graph, devices when there are >= 2 GPUs), with a random PDM and
+   with a drafter that is right half the time (so both accept and reject paths run).
+3. Timings on random weights (the device machine reaches no hub, so real weights cannot come
+   along) for (a) the default model's shape and (b) a Llama-3.2-1B shape, bf16:
+   graphed AR vs its HBM roofline (bytes per token / measured copy bandwidth), and SPD on streams
+   with CUDA graphs for n = 2, 3, 5. Acceptance is imposed by a drafter that is right with the
+   probability measured on CPU with the real head (--acceptance); the real-shaped PDM still runs
+   every cycle, so its cost is in the timings. Per cycle: each phase captured as its own graph and
+   replayed, overhead = whole cycle - slowest stage.
+Prints a short table last and writes everything to OUT/gpu_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from spd_fast.ar import decode_ar  # noqa: E402
+from spd_fast.config import ModelConfig, uniform_boundaries  # noqa: E402
+from spd_fast.drafters import PdmDrafter, ReferenceDrafter  # noqa: E402
+from spd_fast.engine import SPDEngine  # noqa: E402
+from spd_fast.graphed_ar import GraphedAR  # noqa: E402
+from spd_fast.model import Transformer  # noqa: E402
+from spd_fast.pdm import DraftConfig, DraftHead, init_from_target  # noqa: E402
+from spd_fast.pipeline import PipelinedEngine  # noqa: E402
+from spd_fast.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams()
+SHAPES = {
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True),
+    "llama-1b": ModelConfig("llama", 128256, 2048, 8192, 16, 32, 8, 64, rope_theta=500000.0,
+                            tie_word_embeddings=True),
+}
+TINY = ModelConfig("llama", 512, 64, 128, 6, 4, 2, 16, tie_word_embeddings=True)
+
+
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = Transformer(cfg)
+        for name, p in m.named_parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, 0.0, 0.05)
+            else:
+                torch.nn.init.ones_(p)
+    m = m.to(dtype).eval().requires_grad_(False)
+    m.setup_caches(1, max_len)
+    return m
+
+
+def random_head(m: Transformer, n: int, layers: int = 2, vocab: int = 16384) -> DraftHead:
+    dcfg = DraftConfig.make(m.cfg, uniform_boundaries(m.cfg.num_layers, n), None, layers, min(vocab, m.cfg.vocab_size))
+    head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m)
+    return head.to(device=m.device, dtype=m.dtype).eval().requires_grad_(False)
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """CUDA-event (GPU) or perf_counter (CPU) timing of `reps` calls, in microseconds per call."""
+
+    def __init__(self, dev: str):
+        self.dev = dev
+
+    def us(self, fn, reps: int) -> float:
+        fn()
+        sync(self.dev)
+        if self.dev == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            return 1e3 * a.elapsed_time(b) / reps
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e6 * (time.perf_counter() - t) / reps
+
+
+# ---- 1. kernels -----------------------------------------------------------------------------------
+def kernel_tests(out: Path, timeout: int) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            "tests/test_kernels.py", "-k", "cuda or triton or statistic or reproduces"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        (out / "kernel_tests.log").write_text(r.stdout + r.stderr)
+        last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+        return {"ok": r.returncode == 0, "summary": last, "seconds": round(time.perf_counter() - t, 1)}
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "summary": f"timed out after {timeout} s", "seconds": timeout}
+
+
+def kernel_bench(out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_kernels
+
+    t = time.perf_counter()
+    bench_kernels.run_gpu(out / "kernels_gpu.json")
+    rows = json.loads((out / "kernels_gpu.json").read_text())["rows"]
+    within = [r for r in rows if r["kernel_us"] <= max(1.5 * r["floor_us"], 10.0)]
+    wins = [r for r in rows if r["kernel_us"] < r["twin_us"] and (r.get("compiled_us") is None
+                                                                    or r["kernel_us"] < r["compiled_us"])]
+    return {"ops": len(rows), "within_goal": len(within), "beat_twin_and_compile": len(wins),
+            "seconds": round(time.perf_counter() - t, 1)}
+
+
+# ---- 2. exactness ---------------------------------------------------------------------------------
+def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, placements: list[str]) -> list[dict]:
+    rows = []
+    m = random_model(cfg, dev, dtype, max_len=256)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=g).tolist()
+    eager = decode_ar(m, ids, new, GREEDY, []).token_ids
+    graphs = dev == "cuda"
+    static = GraphedAR(m, cuda_graphs=graphs).run(ids, new, GREEDY, []).token_ids
+    rows.append({"check": "graphed AR == eager AR", "ok": static == eager})
+    b = uniform_boundaries(cfg.num_layers, n)
+    full = [0] * len(ids) + static
+    drafters = {"random PDM": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096)),
+                "right 50%": lambda: ReferenceDrafter(full, cfg.vocab_size, "bernoulli", p_right=0.5, seed=2)}
+    for dname, mk in drafters.items():
+        seq = SPDEngine(m, mk(), b).run(ids, new, GREEDY, [])
+        rows.append({"check": f"sequential SPD n={n} [{dname}] == eager AR", "ok": seq.token_ids == eager,
+                     "acceptance": round(seq.metrics["acceptance_rate"], 3)})
+        for pl in placements:
+            if pl == "devices":
+                continue
+            for cg in ([False, True] if graphs else [False]):
+                pe = PipelinedEngine(SPDEngine(m, mk(), b), pl, cuda_graphs=cg)
+                r = pe.run(ids, new, GREEDY, [])
+                rows.append({"check": f"{pl}{' + graph' if cg else ''} SPD n={n} [{dname}] == graphed AR",
+                             "ok": r.token_ids == static, "acceptance": round(r.metrics["acceptance_rate"], 3)})
+    if "devices" in placements:
+        k = min(torch.cuda.device_count(), n)
+        md = random_model(cfg, dev, dtype, max_len=256)
+        bd = uniform_boundaries(cfg.num_layers, k)
+        pe = PipelinedEngine(SPDEngine(md, ReferenceDrafter(full, cfg.vocab_size, "bernoulli", 0.5, 2), bd), "devices")
+        r = pe.run(ids, new, GREEDY, [])
+        rows.append({"check": f"devices SPD n={k} ({k} GPUs) == graphed AR", "ok": r.token_ids == static})
+    return rows
+
+
+# ---- 3. timings -----------------------------------------------------------------------------------
+def copy_bandwidth(dev: str, clock: Clock) -> float:
+    x = torch.empty(1 << (30 if dev == "cuda" else 24), dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    us = clock.us(lambda: y.copy_(x), 10 if dev == "cuda" else 3)
+    return 2 * x.numel() / us / 1e3  # GB/s (read + write)
+
+
+def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[int], new: int, acceptance: float,
+            repeats: int, bw_gbs: float, clock: Clock, placement: str) -> dict:
+    P = 32
+    replays = 64
+    m = random_model(cfg, dev, dtype, max_len=P + new + 3 * replays + 32)
+    ids = torch.randint(0, cfg.vocab_size, (P,), generator=torch.Generator().manual_seed(3)).tolist()
+    graphs = dev == "cuda"
+    ar = GraphedAR(m, cuda_graphs=graphs)
+    ar_ms = []
+    for _ in range(repeats):
+        r = ar.run(ids, new, GREEDY, [])
+        ar_ms.append(1e3 * r.decode_seconds / (len(r.token_ids) - 1))
+    ref = r.token_ids
+    step_us = clock.us(ar._graph.replay, replays) if graphs else clock.us(lambda: ar.step(GREEDY, None), 4)
+    # bytes one AR step must read: every weight once (tied embedding = the LM head) + K/V at ~P + new/2
+    wbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    if not cfg.tie_word_embeddings:
+        wbytes -= m.embed.weight.numel() * m.embed.weight.element_size()
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (P + new // 2) * m.dtype.itemsize
+    roof_us = (wbytes + kv) / bw_gbs / 1e3
+    out = {"shape": name, "params_M": round(wbytes / m.dtype.itemsize / 1e6, 1), "ar_ms_per_token": statistics.median(ar_ms),
+           "ar_graph_step_us": step_us, "ar_roofline_us": roof_us, "ar_roofline_fraction": roof_us / step_us, "spd": []}
+    full = [0] * P + ref
+    for n in ns:
+        b = uniform_boundaries(cfg.num_layers, n)
+        head = random_head(m, n)
+        drafter = ReferenceDrafter(full, cfg.vocab_size, "bernoulli", p_right=acceptance, seed=n, head=head)
+        pe = PipelinedEngine(SPDEngine(m, drafter, b, head.dcfg.anchors), placement, cuda_graphs=graphs)
+        tps, acc, exact = [], [], True
+        for _ in range(repeats):
+            r = pe.run(ids, new, GREEDY, [])
+            tps.append(r.metrics["tokens_per_second"])
+            acc.append(r.metrics["acceptance_rate"])
+            exact &= r.token_ids == ref
+        row = {"n": n, "tokens_per_s": statistics.median(tps), "acceptance": statistics.median(acc), "exact": exact,
+               "equiv_accept_length": n * (len(r.token_ids) - 1) / r.metrics["cycles"]}
+        row["speedup_vs_graphed_ar"] = row["tokens_per_s"] / (1e3 / out["ar_ms_per_token"])
+        row.update(phase_times(pe, ids, dev, clock, replays))
+        out["spd"].append(row)
+    return out
+
+
+def phase_times(pe: PipelinedEngine, ids: list[int], dev: str, clock: Clock, reps: int) -> dict:
+    """Each phase of one steady-state cycle timed alone (as its own graph on a GPU), and the whole cycle."""
+    e = pe.engine
+    st, _ = e.start(ids, GREEDY, None)
+    cyc = pe._static(st, GREEDY, None)
+    for _ in range(e.n + 1):  # fill the pipeline
+        cyc.run(pe.rt)
+    sync(dev)
+    saved = {k: getattr(cyc.st, k).clone() for k in ("tokens", "p_new", "fill", "pdm_len", "cycles",
+                                                     "verifications", "accepts")}
+
+    def restore():
+        for k, v in saved.items():
+            getattr(cyc.st, k).copy_(v)
+
+    def timed(fn) -> float:
+        if dev != "cuda":
+            return clock.us(fn, 3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        us = clock.us(g.replay, reps)
+        restore()
+        return us
+
+    res = {"pre_us": timed(cyc.pre), "draft_us": timed(cyc.draft)}
+    stages = [timed(lambda s=s: cyc.stage(s)) for s in range(e.n)]
+    res["stage_us"] = stages
+    res["post_us"] = timed(cyc.post)
+    restore()
+    res["cycle_us"] = clock.us(pe._graph.replay, reps) if pe._graph is not None else clock.us(lambda: cyc.run(pe.rt), 3)
+    restore()
+    res["slowest_stage_us"] = max(stages)
+    res["overhead_us"] = res["cycle_us"] - max(stages)
+    return res
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--acceptance", type=float, default=0.468,
+                   help="imposed acceptance rate (default: the shipped n=3 head's, measured on CPU)")
+    p.add_argument("--num-stages", default="2,3,5")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel-test-timeout", type=int, default=200)
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="run the same logic on CPU with tiny shapes and simulated streams (no kernels, no graphs)")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dry = a.cpu_dry_run
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on the GPU machine, or use --cpu-dry-run", file=sys.stderr)
+        return 2
+    dev = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    clock = Clock(dev)
+    ns = [int(x) for x in a.num_stages.split(",")]
+    report: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+                             "device": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
+                             "gpus": 0 if dry else torch.cuda.device_count(), "host": platform.node(),
+                             "acceptance_imposed": a.acceptance}, "errors": []}
+
+    def section(name, fn):
+        t = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                report[name] = fn()
+        except Exception as e:  # keep going: one broken section must not hide the others
+            report["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}",
+                                     "trace": traceback.format_exc()[-3000:]})
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
+        print(f"[{name}] {time.perf_counter() - t:.1f} s", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+
+    if not dry and not a.skip_kernels:
+        section("kernel_tests", lambda: kernel_tests(out, a.kernel_test_timeout))
+        section("kernel_bench", lambda: kernel_bench(out))
+    placements = ["simulated"] if dry else ["streams"] + (["devices"] if torch.cuda.device_count() >= 2 else [])
+    exact_cfg = TINY if dry else SHAPES["smollm2-135m"]
+    section("exactness", lambda: exactness(dev, dtype, exact_cfg, 3, 24 if dry else 64, placements))
+    section("copy_bandwidth_gbs", lambda: copy_bandwidth(dev, clock))
+    bw = report.get("copy_bandwidth_gbs") or 1.0
+    shapes = {"tiny": TINY} if dry else SHAPES
+    timing_rows = []
+    for name, cfg in shapes.items():
+        section(f"timing_{name}", lambda cfg=cfg, name=name: timings(
+            name, cfg, dev, dtype, ns, 16 if dry else a.new_tokens, a.acceptance, 1 if dry else a.repeats, bw, clock,
+            "simulated" if dry else "streams"))
+        if f"timing_{name}" in report:
+            timing_rows.append(report[f"timing_{name}"])
+
+    # ---- the short table, last ----
+    print("\n== gpu_check summary ==")
+    print(f"device: {report['meta']['device']} x{report['meta']['gpus']}  torch {torch.__version__}  "
+          f"copy bandwidth {bw:.0f} GB/s  imposed acceptance {a.acceptance}")
+    for k in ("kernel_tests", "kernel_bench"):
+        if k in report:
+            print(f"{k}: {report[k]}")
+    ex = report.get("exactness", [])
+    print(f"exactness: {sum(r['ok'] for r in ex)}/{len(ex)} checks pass"
+          + "".join(f"\n  FAIL {r['check']}" for r in ex if not r["ok"]))
+    print("| shape | AR ms/tok | AR step us | roofline | n | SPD tok/s | speedup | acc | cycle us | slowest stage us "
+          "| PDM us | overhead us |")
+    for t in timing_rows:
+        for r in t["spd"]:
+            print(f"| {t['shape']} | {t['ar_ms_per_token']:.3f} | {t['ar_graph_step_us']:.1f} | "
+                  f"{100 * t['ar_roofline_fraction']:.0f}% | {r['n']} | {r['tokens_per_s']:.0f} | "
+                  f"{r['speedup_vs_graphed_ar']:.2f}x | {r['acceptance']:.2f} | {r['cycle_us']:.1f} | "
+                  f"{r['slowest_stage_us']:.1f} | {r['draft_us']:.1f} | {r['overhead_us']:.1f} |")
+    if report["errors"]:
+        print(f"errors in: {', '.join(e['section'] for e in report['errors'])} (see gpu_check.json)")
+    ok = not report["errors"] and all(r["ok"] for r in ex)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
