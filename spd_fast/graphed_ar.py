@@ -12,7 +12,7 @@ import torch
 
 from .ar import DecodeResult, check_capacity, prefill
 from .model import Transformer
-from .pipeline import Readback
+from .pipeline import Readback, graph_pool
 from .profiling import nvtx_range
 from .sampling import SamplingParams, next_token
 
@@ -59,7 +59,7 @@ class GraphedAR:
             g = torch.cuda.CUDAGraph()
             if generator is not None:
                 g.register_generator_state(generator)
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=graph_pool()):
                 self.step(params, generator)
             self.tok.copy_(tok)
             self.pos.copy_(pos)

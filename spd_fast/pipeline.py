@@ -38,6 +38,17 @@ from .sampling import SamplingParams
 from .streams import CudaStreams, SimulatedStreams
 
 LOCAL_PLACEMENTS = ("local", "sequential", "streams", "devices")
+_POOL = None
+
+
+def graph_pool():
+    """One CUDA-graph memory pool for every graph of the process (SPD cycles and AR steps). Safe
+    because graphs never replay concurrently and keep all state that outlives a replay in buffers
+    allocated outside capture."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
+    return _POOL
 
 
 def resolve_placement(placement: str, device: str | torch.device, num_stages: int) -> list[torch.device]:
@@ -244,8 +255,6 @@ class PipelinedEngine:
         self._cycle: DeviceCycle | None = None
         self._key: tuple | None = None
         self._graph = None
-        self.profile = False
-        self.cycle_profile: list[dict[str, float]] = []
 
     # ---- static state and capture ------------------------------------------------------------------
     def _static(self, st: PipelineState, params: SamplingParams, generator: torch.Generator | None) -> DeviceCycle:
@@ -282,7 +291,7 @@ class PipelinedEngine:
         g = torch.cuda.CUDAGraph()
         if generator is not None:
             g.register_generator_state(generator)
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, pool=graph_pool()):
             cyc.run(self.rt)
         for k, v in saved.items():
             getattr(cyc.st, k).copy_(v)
