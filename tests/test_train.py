@@ -239,3 +239,22 @@ def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, 
     st2, am2 = cache.get(4)
     torch.testing.assert_close(st, st2, atol=1e-3, rtol=1e-3)
     assert torch.equal(am, am2)
+
+
+def test_one_cache_per_source_reuses_the_old_sources(tiny_checkpoint, tmp_path):
+    from spd_fast.train.features import build_feature_cache, build_feature_caches
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    a = [dict(s, _source="a") for s in _samples(m, 6)]
+    b = [dict(s, _source="b") for s in _samples(m, 4, seed=9)]
+    anchors = (0, 3, 6)
+    only_a = build_feature_cache(m, "tiny", a, tmp_path / "fc", anchors, 64, progress=False)
+    stamp = (only_a.root / "states.npy").stat().st_mtime_ns
+    both = build_feature_caches(m, "tiny", a + b, tmp_path / "fc", anchors, 64, progress=False)
+    assert [p.root for p in both.parts][0] == only_a.root and len(both.parts) == 2
+    assert (only_a.root / "states.npy").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    only_b = build_feature_cache(m, "tiny", b, tmp_path / "fc", anchors, 64, progress=False)
+    for i in range(10):
+        want = only_a.get(i) if i < 6 else only_b.get(i - 6)
+        got = both.get(i)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

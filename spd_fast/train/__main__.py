@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                                     a.gen_temperature, a.seed)
                 log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
                                 "seconds": round(time.perf_counter() - t0, 1)}))
-                samples += read_jsonl(path)
+                samples += [dict(r, _source="self-distill") for r in read_jsonl(path)]
             else:
                 if not Path(src).is_file():
                     raise SpdConfigError(f"data file {src} does not exist")
-                samples += list(text_file_samples(src, target))
+                samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
             raise SpdConfigError("no training samples; pass --data self-distill or a data file")
         steps = a.steps

@@ -122,3 +122,38 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
     np.save(d / "done.npy", done)
     del states, argmax
     return FeatureCache(d)
+
+
+class ConcatCache:
+    """Several caches read as one: sample i of the concatenation (caches in order)."""
+
+    def __init__(self, parts: Sequence[FeatureCache]):
+        if not parts:
+            raise ValueError("ConcatCache needs at least one cache")
+        self.parts = list(parts)
+        self.layers = self.parts[0].layers
+        self.states = self.parts[0].states  # for its shape
+        self.starts = np.cumsum([0] + [p.meta["samples"] for p in self.parts])
+
+    @property
+    def root(self) -> Path:
+        return self.parts[0].root.parent
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k].get(i - int(self.starts[k]))
+
+
+def build_feature_caches(model: Transformer, fingerprint: str, samples: Sequence[dict], root: str | Path,
+                         anchors: Sequence[int], max_seq_len: int = 512, batch_tokens: int = 4096,
+                        bf16: bool = False, progress: bool = True) -> ConcatCache:
+    """One cache per run of samples from the same source (`_source`, set per --data file), so adding a
+    data file to a run reuses the caches of the files it already had."""
+    runs: list[list[dict]] = []
+    for s in samples:
+        if runs and runs[-1][0].get("_source") == s.get("_source"):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ConcatCache([build_feature_cache(model, fingerprint, r, root, anchors, max_seq_len, batch_tokens, bf16,
+                                            progress) for r in runs])

@@ -316,10 +316,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         log(f"resumed from {out} at step {trainer.step}")
     cache = None
     if feature_cache:
-        from .features import build_feature_cache
+        from .features import build_feature_caches
 
         t_c = time.perf_counter()
-        cache = build_feature_cache(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
+        cache = build_feature_caches(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
                                     cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive())
         samples = [dict(s, _idx=i) for i, s in enumerate(samples)]
         tgt.free_caches()  # the teacher pass sized them for its largest batch (GBs); training reads the cache
