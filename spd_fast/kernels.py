@@ -133,7 +133,7 @@ def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: 
     if params.greedy:
         idx = verify_greedy(logits_d, torch.zeros(logits_d.shape[:-1], dtype=torch.long, device=logits_d.device),
                             backend)[1]
-        return draft_vocab[idx], None
+        return ops.take(draft_vocab, idx), None
     if u is None:
         raise SpdConfigError("sampled drafting needs its uniform random numbers u (see ops_explicit.uniforms)")
     b = _pick("draft_sample", backend, logits_d)

@@ -38,6 +38,12 @@ def aggregate_torch(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: to
     return y.view(R, m, H)[torch.arange(R, device=types.device), types]
 
 
+def take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table[idx] for an index tensor of any shape (0-dim included) as a gather: indexing with a
+    0-dim tensor may read it on the host, which a CUDA graph cannot contain."""
+    return table.index_select(0, idx.reshape(-1)).reshape(idx.shape)
+
+
 def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PDM logits over the draft vocabulary [V_d] -> (draft token id in the full vocab, q [V] or None).
@@ -46,11 +52,11 @@ def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: 
     (zero outside the draft vocabulary); greedy drafting needs no q.
     """
     if params.greedy:
-        return draft_vocab[torch.argmax(logits_d, dim=-1)], None
+        return take(draft_vocab, torch.argmax(logits_d, dim=-1)), None
     q_d = probs_from_logits(logits_d, params)
     j = sample_from(q_d, generator)
     q = torch.zeros(vocab_size, dtype=q_d.dtype, device=q_d.device).scatter_(0, draft_vocab, q_d)
-    return draft_vocab[j], q
+    return take(draft_vocab, j), q
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +81,7 @@ def verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tensor, q: t
     y ~ p if that residual has no mass. Returns (accept, token to commit at this position).
     """
     p = probs_from_logits(target_logits, params)
-    px, qx = p[draft_token], q[draft_token]
+    px, qx = take(p, draft_token), take(q, draft_token)
     u = torch.rand((), generator=generator, device=p.device)
     # u * q(x) < p(x)  <=>  u < p(x)/q(x) without dividing by a zero q(x)
     accept = u * qx < px

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import take
+
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
     """float32 uniforms in [0, 1) on `device`, for the explicit-random sampling ops."""
@@ -71,7 +73,7 @@ def draft_sample_explicit(logits_d: torch.Tensor, draft_vocab: torch.Tensor, voc
     j = sample_inverse_cdf(q_d, u)
     q = torch.zeros(*q_d.shape[:-1], vocab_size, dtype=q_d.dtype, device=q_d.device)
     q.scatter_(-1, draft_vocab.expand_as(q_d), q_d)
-    return draft_vocab[j], q
+    return take(draft_vocab, j), q
 
 
 def verify_sampling_explicit(target_logits: torch.Tensor, draft_token: torch.Tensor, q: torch.Tensor,
