@@ -95,8 +95,14 @@ class DeviceCycle:
     """The static, sync-free cycle of one SPDEngine (see the module docstring)."""
 
     def __init__(self, engine: SPDEngine, state: PipelineState, params: SamplingParams,
-                 generator: torch.Generator | None, stage_devices: Sequence[torch.device]):
+                 generator: torch.Generator | None, stage_devices: Sequence[torch.device],
+                 swap_handoff: bool = False):
         self.engine, self.st, self.params, self.gen = engine, state, params, generator
+        # Hand-offs: with one device (and in a CUDA graph) post() copies stage outputs into the next
+        # stage's input. With one stage per GPU, stage s copies its output to GPU s+1 itself, on its
+        # own stream (so the copy is ordered after its work and before the join), into a second
+        # buffer that post() swaps in (eager only).
+        self.swap_handoff = swap_handoff
         model, n = engine.model, engine.n
         self.n, self.ML = n, model.max_len
         main = model.device
@@ -108,6 +114,7 @@ class DeviceCycle:
         self.pos_dev = [torch.zeros(1, 1, dtype=torch.long, device=d) for d in self.devices]
         self.hin = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices]
         self.outs = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices]
+        self.nxt = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices] if swap_handoff else []
         self.anchor_out = [torch.zeros(max(1, len(idx)), H, dtype=model.dtype, device=d)
                            for idx, d in zip(engine.stage_anchor_idx, self.devices)]
         m = len(engine.anchors)
@@ -161,6 +168,8 @@ class DeviceCycle:
         self.outs[s].copy_(h)
         for j, b in enumerate(want):
             self.anchor_out[s][j].copy_(rec[b][0, 0])
+        if self.swap_handoff and s + 1 < self.n:
+            self.nxt[s + 1].copy_(h, non_blocking=True)  # to GPU s+1, on this stage's stream
 
     def post(self) -> None:
         st, e, n, main = self.st, self.engine, self.n, self.engine.model.device
@@ -189,8 +198,12 @@ class DeviceCycle:
         new_fill = torch.where(rejected, torch.ones_like(fill), torch.where(full, fill, fill + 1))
         st.p_new.copy_(new_p_new)
         st.fill.copy_(new_fill)
-        for s in range(n - 1):  # depth s output becomes the depth s+1 input
-            self.hin[s + 1].copy_(self.outs[s], non_blocking=True)
+        if self.swap_handoff:  # the stages already copied; swap the buffers
+            for s in range(1, n):
+                self.hin[s], self.nxt[s] = self.nxt[s], self.hin[s]
+        else:
+            for s in range(n - 1):  # depth s output becomes the depth s+1 input
+                self.hin[s + 1].copy_(self.outs[s], non_blocking=True)
 
     # ---- one cycle over a stream back end ----------------------------------------------------------
     def run(self, rt) -> None:
@@ -252,6 +265,7 @@ class PipelinedEngine:
         self.cuda_graphs = (on_cuda and placement == "streams") if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and not (on_cuda and placement == "streams"):
             raise SpdConfigError("cuda_graphs=True needs placement='streams' on a CUDA device")
+        self.swap_handoff = False  # tests turn it on to run the devices hand-off on one device
         self._cycle: DeviceCycle | None = None
         self._key: tuple | None = None
         self._graph = None
@@ -266,7 +280,8 @@ class PipelinedEngine:
                 q_ring=None if st.q_ring is None else torch.zeros_like(st.q_ring),
                 cycles=torch.zeros_like(st.cycles), verifications=torch.zeros_like(st.verifications),
                 accepts=torch.zeros_like(st.accepts), prompt_len=st.prompt_len)
-            self._cycle = DeviceCycle(self.engine, static, params, generator, self.devices)
+            self._cycle = DeviceCycle(self.engine, static, params, generator, self.devices,
+                                      swap_handoff=self.placement == "devices" or self.swap_handoff)
             self._key, self._graph = key, None
         cyc = self._cycle
         cyc.load_state(st)

@@ -277,3 +277,19 @@ def test_nvtx_env_switch_and_profile_script_message(tmp_path):
     r = subprocess.run(["bash", "bench/profile_nsys.sh", str(tmp_path)], env=dict(os.environ, PATH="/usr/bin:/bin"),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "nsys (Nsight Systems) is not on PATH" in r.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_devices_handoff_double_buffer_equals_sequential(tiny_checkpoint, n):
+    """placement='devices' hands hidden states over from each stage's own stream into a second
+    buffer that is swapped in after the join; the same logic on one CPU device."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, n)
+    ids = [8, 6, 7, 5]
+    ref = decode_ar(m, ids, 24, GREEDY, []).token_ids
+    full = [0] * len(ids) + ref
+    pipe = PipelinedEngine(SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size, "bernoulli", 0.6, 1), b), "simulated")
+    pipe.swap_handoff = True
+    got = pipe.run(ids, 24, GREEDY, [])
+    assert pipe._cycle.swap_handoff and got.token_ids == ref
+    assert 0 < got.metrics["acceptance_rate"] < 1
