@@ -6,7 +6,8 @@ temperature 0.7 with 128 new tokens:
 
     .venv/bin/python scripts/self_distill_sampled.py --out runs/sd_t07.jsonl   # ~25 min on 2 cores
 
-The shipped head used --pool 2000 --keep 1120 (generation was stopped after 35 batches of 32).
+The shipped head used --pool 2000 --keep 1120 (generation was stopped after 35 batches of 32), then
+--seed 11 --pool 1880 --keep 704 --exclude runs/sd_t07.jsonl --out runs/sd_t07b.jsonl.
 """
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=1120)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--exclude", action="append", default=[],
+                   help="a self-distillation jsonl whose prompt ids are left out (repeatable)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    prompts = load_prompts()
+    from spd_fast.train.data import read_jsonl
+
+    used = {r["id"] for f in a.exclude for r in read_jsonl(f)}
+    prompts = [q for q in load_prompts() if q["id"] not in used]
     random.Random(a.seed).shuffle(prompts)
     prompts = prompts[: a.pool]
     target = load_target(None)

@@ -80,6 +80,27 @@ def metrics_from(cycles: int, verifications: int, accepts: int, committed: int, 
     }
 
 
+class Committer:
+    """Hands out committed tokens in order (positions first_pos, first_pos + 1, ...), stopping at the
+    first EOS or at max_new_tokens; `committed` counts the prefill token too."""
+
+    def __init__(self, first_pos: int, eos: set[int], max_new_tokens: int):
+        self.next_out, self.eos, self.max_new = first_pos, eos, max_new_tokens
+        self.committed, self.finished, self.stop = 1, False, False
+
+    def take(self, tokens: torch.Tensor, last_pos: int, on_commit=None) -> Iterator[int]:
+        """Yield tokens[next_out .. last_pos] (a host or CPU tensor) until a stop condition."""
+        while self.next_out <= last_pos and not self.stop:
+            tok = int(tokens[self.next_out])
+            self.next_out += 1
+            self.committed += 1
+            if on_commit is not None:
+                on_commit(self.committed)
+            yield tok
+            self.finished = tok in self.eos
+            self.stop = self.finished or self.committed >= self.max_new
+
+
 class SPDEngine:
     """Speculative pipeline decoding over `target` split at `boundaries`, drafting with `drafter`."""
 
@@ -207,34 +228,24 @@ class SPDEngine:
         st, first = self.start(prompt_ids, params, generator)
         t1 = time.perf_counter()
         self.last_state = st
-        committed = 1
         finished = first in eos
         self.last_metrics = metrics_from(0, 0, 0, 1, self.n, 0.0, t1 - t0)
         yield first
         if finished or max_new_tokens == 1:
             self.last_finished_by_eos = finished
             return
-        P = st.prompt_len
-        next_out = P + 1  # next output position
+        com = Committer(st.prompt_len + 1, eos, max_new_tokens)
         decode_time = 0.0
-        while True:
+
+        def metrics(committed: int) -> None:
+            self.last_metrics = metrics_from(int(st.cycles), int(st.verifications), int(st.accepts),
+                                             committed, self.n, decode_time, t1 - t0)
+        while not com.stop:
             tc = time.perf_counter()
             self.cycle(st, params, generator)
             decode_time += time.perf_counter() - tc
-            p_old = int(st.p_new) - int(st.fill) + 1
-            stop = False
-            while next_out <= p_old and not stop:  # at most one new token per cycle
-                tok = int(st.tokens[next_out])
-                next_out += 1
-                committed += 1
-                self.last_metrics = metrics_from(int(st.cycles), int(st.verifications), int(st.accepts),
-                                                 committed, self.n, decode_time, t1 - t0)
-                yield tok
-                finished = tok in eos
-                stop = finished or committed >= max_new_tokens
-            if stop:
-                break
-        self.last_finished_by_eos = finished
+            yield from com.take(st.tokens, int(st.p_new) - int(st.fill) + 1, metrics)  # <= 1 per cycle
+        self.last_finished_by_eos = com.finished
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
             eos_ids: Sequence[int], generator: torch.Generator | None = None) -> SpdResult:

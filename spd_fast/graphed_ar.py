@@ -5,14 +5,14 @@ the same computation; tests use it there)."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Iterator, Sequence
 
 import torch
 
 from .ar import DecodeResult, check_capacity, prefill
 from .model import Transformer
-from .pipeline import Readback, graph_pool
+from .engine import Committer
+from .pipeline import Readback, graph_pool, run_ahead
 from .profiling import nvtx_range
 from .sampling import SamplingParams, next_token
 
@@ -41,6 +41,9 @@ class GraphedAR:
             self.pos += 1
             self.tokens.index_copy_(0, self.pos.view(1), nxt.view(1))
             self.tok.copy_(nxt.view(1, 1))
+
+    def _one_step(self, params: SamplingParams, generator: torch.Generator | None):
+        return self._graph.replay if self._graph is not None else (lambda: self.step(params, generator))
 
     def _prepare(self, params: SamplingParams, generator: torch.Generator | None) -> None:
         m = self.model
@@ -87,35 +90,17 @@ class GraphedAR:
         if out[0] in eos or max_new_tokens == 1:
             return
         reader = Readback(self.tokens, [self.pos])
-        pending: deque = deque()
-        launched = seen = 0
-        finished = False
+        com = Committer(P + 1, eos, max_new_tokens)
         t_dec = time.perf_counter()
         with torch.inference_mode():
-            while True:
-                if len(out) + (launched - seen) < max_new_tokens:
-                    if self._graph is not None:
-                        self._graph.replay()
-                    else:
-                        self.step(params, generator)
-                    launched += 1
-                    pending.append(reader.snapshot(launched))
-                    if len(pending) <= self.lag:
-                        continue
-                if not pending:
-                    break
-                seen, toks, (pos,) = reader.read(pending.popleft())
-                stop = False
-                for p in range(P + len(out), pos + 1):
-                    t = int(toks[p])
+            for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,
+                                          lambda unread: com.committed + unread < max_new_tokens, "ar.readback"):
+                for t in com.take(toks, pos):
                     out.append(t)
                     yield t
-                    finished = t in eos
-                    stop = finished or len(out) >= max_new_tokens
-                    if stop:
-                        break
-                if stop:
+                if com.stop:
                     break
+        finished = com.finished
         dt = time.perf_counter() - t_dec
         steps = max(1, len(out) - 1)
         self.result = DecodeResult(out, t1 - t0, dt, finished,

@@ -31,7 +31,7 @@ import torch
 
 from .ar import check_capacity
 from .config import SpdConfigError
-from .engine import PipelineState, SPDEngine, metrics_from
+from .engine import Committer, PipelineState, SPDEngine, metrics_from
 from .ops import verify_greedy, verify_sampling
 from .profiling import nvtx_range
 from .sampling import SamplingParams
@@ -341,37 +341,21 @@ class PipelinedEngine:
         if first in eos or max_new_tokens == 1:
             return
         reader = Readback(st.tokens, [st.p_new, st.fill, st.cycles, st.verifications, st.accepts])
-        committed, next_out = 1, P + 1
-        launched, seen = 0, 0          # cycles launched / cycles covered by the last snapshot read
-        pending: deque = deque()
-        finished = False
+        com = Committer(P + 1, eos, max_new_tokens)
         t_dec = time.perf_counter()
+        counters: list[int] = [0, 0, 0]
+
+        def metrics(committed: int) -> None:
+            self.last_metrics = metrics_from(*counters, committed, e.n, time.perf_counter() - t_dec, t1 - t0)
         with torch.inference_mode():
-            while True:
-                # each cycle commits at most one token: never launch more than could still be needed
-                if committed + (launched - seen) < max_new_tokens:
-                    self._one_cycle(cyc)
-                    launched += 1
-                    pending.append(reader.snapshot(launched))
-                    if len(pending) <= self.lag:
-                        continue
-                if not pending:
+            # each cycle commits at most one token: never launch more than could still be needed
+            for toks, scal in run_ahead(lambda: self._one_cycle(cyc), reader, self.lag,
+                                        lambda unread: com.committed + unread < max_new_tokens, "spd.readback"):
+                p_new_h, fill_h, counters[:] = scal[0], scal[1], scal[2:]
+                yield from com.take(toks, p_new_h - fill_h + 1, metrics)
+                if com.stop:
                     break
-                with nvtx_range("spd.readback"):
-                    seen, toks, (p_new_h, fill_h, *counters) = reader.read(pending.popleft())
-                p_old = p_new_h - fill_h + 1
-                stop = False
-                while next_out <= p_old and not stop:
-                    tok = int(toks[next_out])
-                    next_out += 1
-                    committed += 1
-                    self.last_metrics = metrics_from(*counters, committed, e.n,
-                                                     time.perf_counter() - t_dec, t1 - t0)
-                    yield tok
-                    finished = tok in eos
-                    stop = finished or committed >= max_new_tokens
-                if stop:
-                    break
+        finished = com.finished
         self.last_finished_by_eos = finished
         self.last_state = st
 
@@ -381,6 +365,27 @@ class PipelinedEngine:
 
         toks = list(self.generate(prompt_ids, max_new_tokens, params, eos_ids, generator))
         return SpdResult(toks, self.last_finished_by_eos, dict(self.last_metrics))
+
+
+def run_ahead(launch, reader: "Readback", lag: int, may_launch, label: str = "readback"
+              ) -> Iterator[tuple[torch.Tensor, list[int]]]:
+    """Launch steps ahead of the host and yield each step's snapshot (tokens, scalars) once it is
+    `lag` steps old. `may_launch(unread)` says whether another step could still be needed, given
+    `unread` steps launched whose snapshots were not yet yielded. Stops when nothing is pending."""
+    pending: deque = deque()
+    launched = seen = 0
+    while True:
+        if may_launch(launched - seen):
+            launch()
+            launched += 1
+            pending.append(reader.snapshot(launched))
+            if len(pending) <= lag:
+                continue
+        if not pending:
+            return
+        with nvtx_range(label):
+            seen, toks, scal = reader.read(pending.popleft())
+        yield toks, scal
 
 
 class Readback:
