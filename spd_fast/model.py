@@ -295,11 +295,6 @@ class Stage:
                  record: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         return self.model.run_layers(h, positions, self.start, self.end, kv_bound, record)
 
-    @property
-    def device(self) -> torch.device:
-        layers = self.model.layers
-        return layers[self.start].attn.wqkv.weight.device if self.end > self.start else self.model.device
-
     def __repr__(self) -> str:
         return f"Stage({self.index}, layers [{self.start}, {self.end}))"
 

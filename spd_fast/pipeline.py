@@ -111,7 +111,9 @@ class DeviceCycle:
         self.ar_n = torch.arange(n, device=main)
         self.row_off = torch.arange(-n, 1, device=main)         # PDM rows: p_new - n .. p_new
         self.pos_stage = torch.zeros(n, dtype=torch.long, device=main)
-        self.pos_dev = [torch.zeros(1, 1, dtype=torch.long, device=d) for d in self.devices]
+        # each stage's position: a view of pos_stage on the main device, a copy on another GPU
+        self.pos_dev = [self.pos_stage[s:s + 1].view(1, 1) if d == main else
+                        torch.zeros(1, 1, dtype=torch.long, device=d) for s, d in enumerate(self.devices)]
         self.hin = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices]
         self.outs = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices]
         self.nxt = [torch.zeros(1, 1, H, dtype=model.dtype, device=d) for d in self.devices] if swap_handoff else []
@@ -144,7 +146,8 @@ class DeviceCycle:
         # the token at depth s sits at p_new - s while s < fill; idle stages work on the scratch slot
         self.pos_stage.copy_(torch.where(self.ar_n < fill, p_new - self.ar_n, self.scratch))
         for s, d in enumerate(self.devices):
-            self.pos_dev[s].copy_(self.pos_stage[s:s + 1].view(1, 1), non_blocking=True)
+            if d != self.pos_stage.device:
+                self.pos_dev[s].copy_(self.pos_stage[s:s + 1].view(1, 1), non_blocking=True)
         # PDM rows p_new - n .. p_new: rows older than pdm_len already sit in its cache (scratch slot)
         pos = p_new + self.row_off
         self.pdm_pos.copy_(torch.where(pos >= st.pdm_len, pos, self.scratch))
@@ -259,6 +262,8 @@ class PipelinedEngine:
             self.devices = resolve_placement(placement, model.device, engine.n)
             if placement == "devices":
                 place_stages(engine, self.devices)
+            else:  # the model's own device object ("cuda:0", not "cuda"), so stages share its buffers
+                self.devices = [model.device] * engine.n
             self.rt = CudaStreams(self.devices)
         on_cuda = model.device.type == "cuda"
         # one graph for the whole cycle needs every stage on one device; "devices" runs eagerly

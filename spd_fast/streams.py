@@ -18,8 +18,6 @@ import torch
 class CudaStreams:
     """Stage s runs on `stage[s]` (on `devices[s]`), the PDM on `pdm` (on devices[0])."""
 
-    simulated = False
-
     def __init__(self, devices: list[torch.device]):
         self.devices = devices
         self.stage = [torch.cuda.Stream(device=d) for d in devices]
@@ -58,8 +56,6 @@ class SimStream:
 
 class SimulatedStreams:
     """CPU stand-in for CudaStreams with vector clocks. `log` holds (label, stream, clock) marks."""
-
-    simulated = True
 
     def __init__(self, num_stages: int):
         self._main = SimStream("main")

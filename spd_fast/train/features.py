@@ -146,7 +146,7 @@ class ConcatCache:
 
 def build_feature_caches(model: Transformer, fingerprint: str, samples: Sequence[dict], root: str | Path,
                          anchors: Sequence[int], max_seq_len: int = 512, batch_tokens: int = 4096,
-                        bf16: bool = False, progress: bool = True) -> ConcatCache:
+                         bf16: bool = False, progress: bool = True) -> ConcatCache:
     """One cache per run of samples from the same source (`_source`, set per --data file), so adding a
     data file to a run reuses the caches of the files it already had."""
     runs: list[list[dict]] = []

@@ -280,9 +280,8 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
         raise SpdConfigError(f"cannot warm-start from {init}: it differs from the requested head ("
                              + "; ".join(diffs) + "); pass matching --num-stages/--anchors/--draft-layers/"
                              "--draft-vocab or drop --init")
-    with torch.no_grad():
+    with torch.no_grad():  # weights, the draft_vocab buffer and the (target-rebuilt) LM-head rows
         head.load_state_dict(src.state_dict())
-    set_draft_vocab(head, src.draft_vocab, target_obj.model)
 
 
 def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
