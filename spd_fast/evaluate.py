@@ -113,10 +113,11 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| n | temp | category | acceptance | tokens/cycle | equiv. accept length | SPD tok/s | AR tok/s "
              "| SPD/AR |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        ar = f"{r['ar_tokens_per_s']:.1f}" if "ar_tokens_per_s" in r else "not run"
+        ratio = f"{r['speedup_vs_ar']:.2f}" if "speedup_vs_ar" in r else "not run"
         lines.append(f"| {r['n']} | {r['temperature']} | {r['category']} | {r['acceptance_rate']:.3f} | "
                      f"{r['tokens_per_cycle']:.3f} | {r['equivalent_accept_length']:.2f} | "
-                     f"{r['spd_tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', float('nan')):.1f} | "
-                     f"{r.get('speedup_vs_ar', float('nan')):.2f} |")
+                     f"{r['spd_tokens_per_s']:.1f} | {ar} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -85,6 +85,32 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     assert state["step"] == 6
 
 
+def test_validation_scores_held_out_data_and_keeps_the_best_head(tiny_checkpoint, tmp_path):
+    import json
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data, held = _samples(m, 16), _samples(m, 6, seed=9)
+    cfg = TrainConfig(steps=30, lr=3e-3, batch_tokens=512, max_seq_len=64, save_every=10, log_every=10, warmup=2,
+                      fill_aug=0.0)
+    logs: list[str] = []
+    head = train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=97, cfg=cfg, log=logs.append,
+                 feature_cache=False, val_samples=held)
+    vals = [json.loads(x) for x in logs if x.startswith("{") and "val_top1" in x]
+    assert [v["step"] for v in vals] == [10, 20, 30]
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"]  # learning generalises to the held-out toy data
+    # validate() is the full-fill teacher-forced loss on the held-out rows, weighted by rows
+    tr = PdmTrainer(m, head, cfg)
+    with torch.no_grad():
+        _, direct = tr.loss(*collate(held, 64), fill=None)
+    v = tr.validate(held, batch_size=len(held))
+    assert v["val_tokens"] == direct["tokens"] and abs(v["val_top1"] - direct["top1"]) < 1e-6
+    best = json.loads((tmp_path / "run" / "best_head" / "val.json").read_text())
+    top = max(x["val_top1"] for x in vals)  # logged rounded to 4 digits
+    assert best["val_top1"] == pytest.approx(top, abs=1e-4)
+    assert best["step"] == next(x["step"] for x in vals if x["val_top1"] == top)  # the first to reach it
+    load_draft(tmp_path / "run" / "best_head", m, "tiny", num_stages=3)
+
+
 def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoint, tmp_path):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)
@@ -258,3 +284,26 @@ def test_one_cache_per_source_reuses_the_old_sources(tiny_checkpoint, tmp_path):
         want = only_a.get(i) if i < 6 else only_b.get(i - 6)
         got = both.get(i)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_self_written_prompts_start_with_the_opener_and_end_their_turn(default_target):
+    from spd_fast.train.data import chat_user_prefix, plausible_prompt, self_written_prompts
+
+    prefix = chat_user_prefix(default_target)
+    full = default_target.encode([{"role": "user", "content": "Hello there"}])
+    assert full[: len(prefix)] == prefix and len(prefix) < len(full)
+    assert default_target.tokenizer.decode(prefix).endswith("user\n")
+    openers = ["", "Write a Python function", "A bakery sells", "Explain"] * 2
+    got = self_written_prompts(default_target, openers, 48, torch.Generator().manual_seed(3))
+    assert got, "no message ended within 48 tokens"
+    rows = [i for i, _ in got]
+    assert rows == sorted(set(rows)) and all(0 <= i < len(openers) for i in rows)
+    for i, text in got:
+        assert text.startswith(openers[i]) and text == text.strip()
+        assert "<|im_end|>" not in text and "<|im_start|>" not in text
+    again = self_written_prompts(default_target, openers, 48, torch.Generator().manual_seed(3))
+    assert again == got  # seeded: the data script resumes reproducibly
+    assert plausible_prompt("How do I sort a list?", 7)
+    assert not plausible_prompt("Hi", 2)                       # too short
+    assert not plausible_prompt("   ", 6)
+    assert not plausible_prompt("Детикилах ильму Аллах кахф", 12)  # drifted out of English

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None,
                    help="warm-start from this head directory (same n, anchors, L_s, V_d), e.g. to fine-tune "
                         "the shipped head on new data")
+    p.add_argument("--val", action="append", default=[],
+                   help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
+                        "checkpoint, best head kept in OUT/best_head")
+    p.add_argument("--val-limit", type=int, default=64, help="score at most this many validation samples")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the teacher every step instead of caching its states on disk once (saves disk, costs time)")
     return p
@@ -103,15 +108,22 @@ def main(argv: list[str] | None = None) -> int:
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
             raise SpdConfigError("no training samples; pass --data self-distill or a data file")
+        val: list[dict] = []
+        for src in a.val:
+            if not Path(src).is_file():
+                raise SpdConfigError(f"validation file {src} does not exist")
+            val += list(text_file_samples(src, target))
+        val = val[: a.val_limit]
         steps = a.steps
         if a.epochs > 0:
             steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))
         cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
                           max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, seed=a.seed, bf16=a.bf16,
-                          save_every=a.save_every)
+                          save_every=a.save_every, weight_decay=a.weight_decay)
         t0 = time.perf_counter()
         train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
-              resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init)
+              resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init,
+              val_samples=val)
         log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)

@@ -50,6 +50,49 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     return out_path
 
 
+def chat_user_prefix(target: Target) -> list[int]:
+    """Token ids of the chat template up to the point where the user's message starts (with the
+    template's default system prompt, if it has one)."""
+    mark = "\u2063XYZ\u2063"
+    full = target.encode([{"role": "user", "content": mark}])
+    text = target.tokenizer.decode(full)
+    ids = target.tokenizer.encode(text[: text.index(mark)], add_special_tokens=False)
+    if ids != full[: len(ids)]:
+        raise ValueError("the chat template's text before the user message does not tokenize on its own; "
+                         "self-written prompts need a template whose user turn starts at a token boundary")
+    return ids
+
+
+def plausible_prompt(text: str, n_tokens: int, min_tokens: int = 4, min_ascii: float = 0.97) -> bool:
+    """Filter for self-written prompts: long enough and (nearly) all ASCII (a 135M model sampling at
+    temperature 1 sometimes drifts into garbled non-English text)."""
+    if n_tokens < min_tokens or not text.strip():
+        return False
+    return sum(c.isascii() for c in text) / len(text) > min_ascii
+
+
+@torch.inference_mode()
+def self_written_prompts(target: Target, openers: list[str], max_tokens: int = 64,
+                         generator: torch.Generator | None = None) -> list[tuple[int, str]]:
+    """Let the target write user messages (the "Magpie" recipe): the chat template up to the user
+    turn, plus an opener per row ("" = none), sampled at temperature 1.0 / top-p 0.95 until the
+    end-of-turn token. Returns (row, message) for the rows that ended within max_tokens and pass
+    `plausible_prompt`; the message starts with the row's opener."""
+    tok = target.tokenizer
+    prefix = chat_user_prefix(target)
+    starts = [prefix + (tok.encode(o, add_special_tokens=False) if o else []) for o in openers]
+    users = generate_batch(target.model, starts, max_tokens, SamplingParams(temperature=1.0, top_p=0.95),
+                           target.eos_ids, generator)
+    out = []
+    for i, (o, u) in enumerate(zip(openers, users)):
+        if not u or u[-1] not in target.eos_ids:
+            continue  # ran out of tokens mid-message
+        text = tok.decode((tok.encode(o, add_special_tokens=False) if o else []) + u[:-1]).strip()
+        if plausible_prompt(text, len(u)):
+            out.append((i, text))
+    return out
+
+
 def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     """Local data: .jsonl with {"messages": [...]} (chat; loss on assistant turns) or {"text": ...},
     or a plain .txt file (one sample per blank-line-separated block)."""

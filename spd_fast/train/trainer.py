@@ -193,6 +193,26 @@ class PdmTrainer:
         self.step += 1
         return stats
 
+    @torch.no_grad()
+    def validate(self, samples: Sequence[dict], batch_size: int = 8) -> dict[str, float]:
+        """KL and top-1 agreement with the target at full fill (the steady state of the pipeline) on
+        held-out samples, teacher run live; weighted by loss rows."""
+        was_training = self.head.training
+        self.head.eval()
+        kl = agree = rows = 0.0
+        try:
+            for i in range(0, len(samples), batch_size):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                    _, st = self.loss(*collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len), fill=None)
+                kl += st["loss"] * st["tokens"]
+                agree += st["top1"] * st["tokens"]
+                rows += st["tokens"]
+        finally:
+            self.head.train(was_training)
+            self.target.free_caches()  # the live teacher sized them for this batch
+        rows = max(rows, 1.0)
+        return {"val_loss": kl / rows, "val_top1": agree / rows, "val_tokens": rows}
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -266,6 +286,17 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
     return (ids, lens, mask), (states, arg, cache.layers)
 
 
+def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) -> None:
+    v = trainer.validate(val_samples)
+    best_f = out / "best_head" / "val.json"
+    best = json.loads(best_f.read_text())["val_top1"] if best_f.is_file() else -1.0
+    improved = v["val_top1"] > best
+    if improved:
+        trainer.head.save(out / "best_head")
+        best_f.write_text(json.dumps(dict(v, step=trainer.step)))
+    log(json.dumps({"step": trainer.step, **{k: round(x, 4) for k, x in v.items()}, "best": improved}))
+
+
 def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
     """Copy a saved head's weights and draft vocabulary into `head` (same n, anchors, L_s, V_d)."""
     from ..config import SpdConfigError
@@ -287,7 +318,8 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
 def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
           boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
           draft_vocab_size: int = 16384, cfg: TrainConfig = TrainConfig(), resume: bool = True,
-          log=print, feature_cache: bool = True, init: str | Path | None = None) -> DraftHead:
+          log=print, feature_cache: bool = True, init: str | Path | None = None,
+          val_samples: Sequence[dict] = ()) -> DraftHead:
     """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"}).
 
     With `feature_cache`, the teacher runs once over all samples first and its states are stored
@@ -295,7 +327,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     the 30-layer target again.
 
     `init` warm-starts from a saved head (its weights and its draft vocabulary; n, anchors, L_s and
-    V_d must match): fine-tuning an existing head on new data is much cheaper than starting over."""
+    V_d must match): fine-tuning an existing head on new data is much cheaper than starting over.
+
+    `val_samples` (held-out data) are scored at every checkpoint (KL and top-1 agreement at full
+    fill); the head with the best top-1 so far is also kept in out_dir/best_head."""
     from ..config import uniform_boundaries
 
     torch.manual_seed(cfg.seed)
@@ -357,6 +392,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
             if trainer.step % cfg.save_every == 0 or trainer.step == cfg.steps:
                 trainer.save(out)
+                if val_samples:
+                    _validate(trainer, val_samples, out, log)
         epoch, done_in_epoch = epoch + 1, 0
     if pbar is not None:
         pbar.close()
