@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from spd_fast.runtime import load_target
 from spd_fast.sampling import SamplingParams
 from spd_fast.train.data import self_written_prompts
 
-# (category, opener): "" lets the target start the user turn freely
+# openers per category; "" lets the target start the user turn freely
 CHAT = ["", "", "", "", "", "", "Explain", "How do I", "What are", "Can you help me", "Summarize",
         "Give me a list of", "Why does", "Write a short", "What is the difference between", "I need advice on"]
 MATH = ["A bakery sells", "Solve", "If a train travels", "Calculate", "What is", "Sarah has", "A rectangle has",
@@ -44,6 +45,7 @@ CODE = ["Write a Python function", "Write a JavaScript function", "How do I", "W
         "Write a Rust function", "What does this Python code do", "Write a function in Go", "How can I sort",
         "Write a regular expression", "Write a class in Python"]
 MIX = [("chat", 0.4, CHAT), ("math", 0.3, MATH), ("code", 0.3, CODE)]
+CUM_WEIGHTS = list(accumulate(w for _, w, _ in MIX))
 
 
 def main() -> None:
@@ -69,13 +71,9 @@ def main() -> None:
         rng = random.Random(a.seed * 100_003 + r)
         cats, openers = [], []
         for _ in range(a.batch):
-            x, acc = rng.random(), 0.0
-            for cat, w, ops in MIX:
-                acc += w
-                if x < acc or cat == MIX[-1][0]:
-                    cats.append(cat)
-                    openers.append(rng.choice(ops))
-                    break
+            cat, _, ops = rng.choices(MIX, cum_weights=CUM_WEIGHTS)[0]
+            cats.append(cat)
+            openers.append(rng.choice(ops))
         gen = torch.Generator().manual_seed(a.seed * 100_003 + r)
         keep = [(cats[i], text, target.encode([{"role": "user", "content": text}]))
                 for i, text in self_written_prompts(target, openers, a.prompt_tokens, gen)]

@@ -360,8 +360,7 @@ class PipelinedEngine:
                 yield from com.take(toks, p_new_h - fill_h + 1, metrics)
                 if com.stop:
                     break
-        finished = com.finished
-        self.last_finished_by_eos = finished
+        self.last_finished_by_eos = com.finished
         self.last_state = st
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
