@@ -3,4 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Unbuffered, so a run that is cut off still shows how far it got; pytest-timeout fails a test that
+# hangs (limit in pyproject.toml); the outer timeout interrupts the whole run in time to print the
+# summary and the slowest tests, well inside CI's 90 minutes.
+export PYTHONUNBUFFERED=1
+exec timeout -s INT -k 120 "${SPD_FAST_TEST_BUDGET_S:-4800}" .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -3,10 +3,16 @@
 `available()` builds once per process (a cached build loads in well under a second); without a
 compiler, or when the build fails, it warns once and returns False, and `spd_fast.kernels` falls
 back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR, else ~/.cache/spd_fast/cpp.
+
+Concurrent builders (several ranks starting at once) queue on an flock in the build directory.
+torch's own build lock is a plain file that a killed builder leaves behind, after which every later
+`load()` waits forever; the flock dies with its holder, so whoever holds it knows that any torch
+lock file still there is stale, and removes it.
 """
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -16,6 +22,7 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC / "spd_ops.cpp"
 SOURCES = (SOURCE, CSRC / "gguf_linear.cpp")
 OPS = ("aggregate_cpp", "verify_greedy_cpp", "verify_sampling_cpp", "draft_sample_cpp", "q4_1_linear", "q8_0_linear")
+BUILD_WAIT_S = 900.0  # how long to queue behind another process's build before giving up
 _state: dict[str, object] = {}
 
 
@@ -32,11 +39,46 @@ def _build() -> None:
             raise FileNotFoundError(f"{src} is missing (the C++ sources ship with the repository, not the wheel)")
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    load(name="spd_fast_cpp", sources=[str(s) for s in SOURCES], build_directory=str(d), is_python_module=False,
-         # -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions
-         extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-         verbose=False)
+    with _build_lock(d):
+        stale = d / "lock"  # torch's FileBaton; nobody else is building while we hold the flock
+        if stale.exists():
+            stale.unlink()
+        load(name="spd_fast_cpp", sources=[str(s) for s in SOURCES], build_directory=str(d), is_python_module=False,
+             # -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions
+             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             verbose=False)
     _register_fakes()
+
+
+def _build_lock(d: Path):
+    """Exclusive flock on d/.spd_fast_build.lock, polled for BUILD_WAIT_S (no-op without fcntl)."""
+    import contextlib
+
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock is all there is
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        with open(d / ".spd_fast_build.lock", "a+") as fh:
+            end = time.monotonic() + BUILD_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > end:
+                        raise TimeoutError(
+                            f"another process has held the C++ build lock in {d} for over {BUILD_WAIT_S:g} s; "
+                            "if no spd_fast build is running, delete that directory and retry") from None
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    return held()
 
 
 def _register_fakes() -> None:

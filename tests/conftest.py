@@ -114,6 +114,8 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = keep
+        for it in keep:  # full-size benchmarks outlast the suite's per-test limit (pytest-timeout)
+            it.add_marker(pytest.mark.timeout(3600))
         return
     skip = pytest.mark.skip(reason="benchmark: run with `pytest --benchmark`")
     for it in items:

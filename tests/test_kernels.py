@@ -352,6 +352,43 @@ def test_cpp_build_failure_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert torch.equal(got, ops.aggregate_torch(x, types, w))
 
 
+def test_cpp_build_clears_a_stale_torch_lock(monkeypatch, tmp_path):
+    """A builder killed inside torch's load() leaves d/lock behind, and every later load() would wait
+    on it forever (this hung CI once). Under our flock that file is stale and goes."""
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    d = cpp_ops.build_dir()
+    d.mkdir(parents=True)
+    (d / "lock").touch()
+    seen = []
+    monkeypatch.setattr(ext, "load", lambda **kw: seen.append((kw["build_directory"], (d / "lock").exists())))
+    monkeypatch.setattr(cpp_ops, "_register_fakes", lambda: None)
+    cpp_ops._build()
+    assert seen == [(str(d), False)]
+
+
+def test_cpp_build_waits_for_a_live_builder_then_names_the_lock(monkeypatch, tmp_path):
+    import fcntl
+
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_ops, "BUILD_WAIT_S", 0.5)
+    monkeypatch.setattr(cpp_ops, "_state", {})
+    monkeypatch.setattr(ext, "load", lambda **kw: pytest.fail("built while another builder held the lock"))
+    d = cpp_ops.build_dir()
+    d.mkdir(parents=True)
+    (d / "lock").touch()  # a live builder's torch lock must survive
+    with open(d / ".spd_fast_build.lock", "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match=r"held the C\+\+ build lock in .* for over 0.5 s; .*delete that directory"):
+            cpp_ops._build()
+        assert (d / "lock").exists()
+        with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU ops unavailable .*TimeoutError"):
+            assert cpp_ops.available() is False
+
+
 # ---- the engine: greedy output identical on every backend ---------------------------------------
 @pytest.mark.parametrize("n", [2, 3])
 def test_engine_greedy_identical_across_backends(tiny_checkpoint, n, cpp):
