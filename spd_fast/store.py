@@ -94,9 +94,17 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
             tok.save_pretrained(str(tmp))
             (tmp / "spd_fast_converted.json").write_text(json.dumps(
                 {"source": str(path), "format": _FORMAT, "torch": torch.__version__}))
-            if out.exists():
+            # several processes may convert at once (the ranks of a first distributed run): the
+            # first to finish wins, the others keep its directory, which may already be in use
+            if (out / "spd_fast_converted.json").is_file():
+                return out
+            if out.exists():  # a partial directory left by a killed writer
                 shutil.rmtree(out)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except OSError:
+                if not (out / "spd_fast_converted.json").is_file():
+                    raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

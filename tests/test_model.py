@@ -83,3 +83,45 @@ def test_gguf_loader_matches_transformers_gguf_loader():
     for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"]:
         assert torch.equal(sd[name], ref[name]), name
+
+
+def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypatch):
+    """Two processes converting the same GGUF at once: the one that finishes second must neither
+    replace nor delete the directory the first one published (it may already be loading it)."""
+    import json
+
+    import transformers
+
+    from spd_fast import gguf_loader, store
+
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not read")
+    out = store.cache_root() / "models" / store._gguf_key(gguf)
+
+    def read_while_another_process_publishes(path):
+        out.mkdir(parents=True)
+        (out / "winner.txt").write_text("first")
+        (out / "spd_fast_converted.json").write_text(json.dumps({"source": str(path)}))
+        return {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}
+
+    class Tok:
+        def save_pretrained(self, d):
+            pass
+
+    monkeypatch.setattr(gguf_loader, "read_gguf", read_while_another_process_publishes)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    assert store.convert_gguf(gguf, progress=False) == out
+    assert (out / "winner.txt").read_text() == "first" and not (out / "model.safetensors").exists()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left
+
+    # a partial directory (a killed writer's, no completion marker) is replaced
+    import shutil
+
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "config.json").write_text("{")
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: (
+        {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}))
+    assert store.convert_gguf(gguf, progress=False) == out
+    assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())["eos_token_id"] == 2
