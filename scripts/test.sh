@@ -7,4 +7,6 @@ bash scripts/setup.sh
 # hangs (limit in pyproject.toml); the outer timeout interrupts the whole run in time to print the
 # summary and the slowest tests, well inside CI's 90 minutes.
 export PYTHONUNBUFFERED=1
-exec timeout -s INT -k 120 "${SPD_FAST_TEST_BUDGET_S:-4800}" .venv/bin/python -m pytest -q --durations=15 "$@"
+limit=()
+command -v timeout >/dev/null && limit=(timeout -s INT -k 120 "${SPD_FAST_TEST_BUDGET_S:-4800}")  # coreutils
+exec ${limit[@]+"${limit[@]}"} .venv/bin/python -m pytest -q --durations=15 "$@"
