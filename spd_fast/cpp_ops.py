@@ -11,6 +11,7 @@ lock file still there is stale, and removes it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -50,35 +51,30 @@ def _build() -> None:
     _register_fakes()
 
 
+@contextlib.contextmanager
 def _build_lock(d: Path):
     """Exclusive flock on d/.spd_fast_build.lock, polled for BUILD_WAIT_S (no-op without fcntl)."""
-    import contextlib
-
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's own lock is all there is
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def held():
-        with open(d / ".spd_fast_build.lock", "a+") as fh:
-            end = time.monotonic() + BUILD_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > end:
-                        raise TimeoutError(
-                            f"another process has held the C++ build lock in {d} for over {BUILD_WAIT_S:g} s; "
-                            "if no spd_fast build is running, delete that directory and retry") from None
-                    time.sleep(0.2)
+        yield
+        return
+    with open(d / ".spd_fast_build.lock", "a+") as fh:
+        end = time.monotonic() + BUILD_WAIT_S
+        while True:
             try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    return held()
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    raise TimeoutError(
+                        f"another process has held the C++ build lock in {d} for over {BUILD_WAIT_S:g} s; "
+                        "if no spd_fast build is running, delete that directory and retry") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _register_fakes() -> None:
