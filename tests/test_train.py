@@ -307,3 +307,32 @@ def test_self_written_prompts_start_with_the_opener_and_end_their_turn(default_t
     assert not plausible_prompt("Hi", 2)                       # too short
     assert not plausible_prompt("   ", 6)
     assert not plausible_prompt("Детикилах ильму Аллах кахф", 12)  # drifted out of English
+
+
+def _run_dedupe(tmp_path, *args):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dedupe_prompts.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_dedupe_prompts_drops_excluded_and_repeated_prompts(tmp_path):
+    import json
+    rows = lambda *ps: "".join(json.dumps({"prompt": p, "response_ids": [i]}) + "\n" for i, p in enumerate(ps))
+    (tmp_path / "old.jsonl").write_text(rows("a", "b"))
+    (tmp_path / "new1.jsonl").write_text(rows("b", "c", "d", "c"))
+    (tmp_path / "new2.jsonl").write_text(rows("d", "e", "a"))
+    r = _run_dedupe(tmp_path, "new1.jsonl", "new2.jsonl", "--exclude", "old.jsonl", "--out", "out.jsonl")
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(o["prompt"], o["response_ids"]) for o in out] == [("c", [1]), ("d", [2]), ("e", [1])]
+    assert json.loads(r.stdout) == {"read": 7, "kept": 3, "dropped": 4, "out": "out.jsonl"}
+
+
+def test_dedupe_prompts_names_a_file_without_prompts(tmp_path):
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "a", "response_ids": [1]}\n{"prompt": "c", "response_ids": [1]}\n')
+    (tmp_path / "ids.jsonl").write_text('{"prompt": "b", "response_ids": [2]}\n{"prompt_ids": [1, 2], "response_ids": [3]}\n')
+    r = _run_dedupe(tmp_path, "ok.jsonl", "ids.jsonl", "--out", "out.jsonl")
+    assert r.returncode != 0
+    assert "ids.jsonl: row 2 has no 'prompt' field" in r.stderr

@@ -1,0 +1,46 @@
+"""Merge self-distillation jsonl files, keeping the first row of every prompt not seen before.
+
+Rows whose "prompt" appears in an --exclude file (earlier training data, validation data) are
+dropped, and so are later repeats within the inputs. Used to add a new seed of
+scripts/self_distill_magpie.py to the shipped head's data without training twice on one prompt:
+
+    python3 scripts/dedupe_prompts.py runs/sd_magpie_s2.jsonl --exclude runs/sd_magpie.jsonl \
+        --out runs/sd_magpie_s2_train.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def dedupe(inputs: list[str], exclude: list[str], out: str) -> tuple[int, int]:
+    """Write the new rows of `inputs` to `out`; return (rows read, rows kept)."""
+    seen = {json.loads(line).get("prompt") for f in exclude for line in open(f)}
+    read = kept = 0
+    with open(out, "w") as fh:
+        for f in inputs:
+            for row, line in enumerate(open(f), 1):
+                read += 1
+                prompt = json.loads(line).get("prompt")
+                if prompt is None:
+                    raise SystemExit(f"{f}: row {row} has no 'prompt' field; "
+                                     "give the jsonl written by a self_distill script")
+                if prompt not in seen:
+                    seen.add(prompt)
+                    fh.write(line)
+                    kept += 1
+    return read, kept
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help="jsonl files to merge, in order")
+    p.add_argument("--exclude", nargs="*", default=[], help="jsonl files whose prompts are dropped")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    read, kept = dedupe(a.inputs, a.exclude, a.out)
+    print(json.dumps({"read": read, "kept": kept, "dropped": read - kept, "out": a.out}))
+
+
+if __name__ == "__main__":
+    main()
