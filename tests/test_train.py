@@ -124,9 +124,39 @@ def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoin
     assert torch.equal(warm.draft_vocab, first.draft_vocab)
     for (k, v), (_, v2) in zip(first.state_dict().items(), warm.state_dict().items()):
         torch.testing.assert_close(v.to(v2.dtype), v2, atol=1e-2, rtol=1e-2, msg=k)  # saved in bf16
-    with pytest.raises(SpdConfigError, match="cannot warm-start.*num_layers: 1 vs 2.*--draft-layers"):
-        train(FakeTarget(m), other, tmp_path / "c", num_stages=3, draft_layers=2, draft_vocab_size=50, cfg=zero,
+    with pytest.raises(SpdConfigError, match="cannot warm-start.*draft_vocab_size: 50 vs 40.*--draft-vocab"):
+        train(FakeTarget(m), other, tmp_path / "c", num_stages=3, draft_vocab_size=40, cfg=zero,
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+
+
+def test_warm_start_grows_the_tower_and_drafts_like_the_smaller_head(tiny_checkpoint, tmp_path):
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=3, batch_tokens=256, max_seq_len=64, save_every=3, log_every=3, warmup=1)
+    small = train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    grown = train(FakeTarget(m), data, tmp_path / "b", num_stages=3, draft_layers=3, draft_vocab_size=50, cfg=zero,
+                  log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+    assert len(grown.layers) == 3
+    saved = load_draft(tmp_path / "a" / "head", m, "tiny")  # the bf16 round trip both start from
+    for k, v in saved.state_dict().items():
+        assert torch.equal(grown.state_dict()[k], v.to(grown.state_dict()[k].dtype)), k
+    for layer in grown.layers[1:]:
+        assert not layer.attn.wo.weight.any() and not layer.mlp.w_down.weight.any()
+        assert layer.attn.wqkv.weight.abs().sum() > 0  # the rest is a normal fresh init
+    # identity layers: the grown head scores the data exactly like the small one (loss and top-1)
+    b = collate(data, 64)
+    with torch.no_grad():
+        (l_g, s_g), (l_s, s_s) = (PdmTrainer(m, h.float(), TrainConfig()).loss(*b, fill=None) for h in (grown, saved))
+    assert s_g["top1"] == s_s["top1"] and float(l_g) == pytest.approx(float(l_s), rel=1e-5)
+    # and training moves the new layers
+    more = TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
+    trained = train(FakeTarget(m), data, tmp_path / "c", num_stages=3, draft_layers=3, draft_vocab_size=50, cfg=more,
+                    log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+    assert trained.layers[2].mlp.w_down.weight.any()
+    with pytest.raises(SpdConfigError, match="num_layers: 3 vs 1 .a head can be grown, not shrunk.*--draft-layers"):
+        train(FakeTarget(m), data, tmp_path / "d", num_stages=3, draft_layers=1, draft_vocab_size=50, cfg=zero,
+              log=lambda s: None, feature_cache=False, init=tmp_path / "c" / "head")
 
 
 def test_head_refuses_other_n_and_other_model(tiny_checkpoint, tmp_path):

@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--init", default=None,
-                   help="warm-start from this head directory (same n, anchors, L_s, V_d), e.g. to fine-tune "
-                        "the shipped head on new data")
+                   help="warm-start from this head directory (same n, anchors, V_d), e.g. to fine-tune "
+                        "the shipped head on new data; a larger --draft-layers grows it (new layers start "
+                        "as the identity)")
     p.add_argument("--val", action="append", default=[],
                    help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
                         "checkpoint, best head kept in OUT/best_head")

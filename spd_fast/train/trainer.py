@@ -298,21 +298,31 @@ def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) 
 
 
 def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
-    """Copy a saved head's weights and draft vocabulary into `head` (same n, anchors, L_s, V_d)."""
+    """Copy a saved head's weights and draft vocabulary into `head` (same n, anchors and V_d).
+
+    `head` may have more decoder layers than the saved one (growing L_s): the saved layers become
+    the first ones and each extra layer starts as the identity (its attention output and MLP down
+    projections zeroed, so both residual branches add nothing), so the grown head drafts exactly
+    like the saved one at step 0 and training only has to learn what the new depth adds."""
     from ..config import SpdConfigError
     from ..pdm import load_draft
 
     src = load_draft(init, target_obj.model, target_obj.fingerprint)
     a, b = src.dcfg, head.dcfg
-    diffs = [f"{k}: {getattr(a, k)} vs {getattr(b, k)}" for k in ("boundaries", "anchors", "num_layers",
-                                                                   "draft_vocab_size")
+    diffs = [f"{k}: {getattr(a, k)} vs {getattr(b, k)}" for k in ("boundaries", "anchors", "draft_vocab_size")
              if getattr(a, k) != getattr(b, k)]
+    if a.num_layers > b.num_layers:
+        diffs.append(f"num_layers: {a.num_layers} vs {b.num_layers} (a head can be grown, not shrunk)")
     if diffs:
         raise SpdConfigError(f"cannot warm-start from {init}: it differs from the requested head ("
                              + "; ".join(diffs) + "); pass matching --num-stages/--anchors/--draft-layers/"
                              "--draft-vocab or drop --init")
     with torch.no_grad():  # weights, the draft_vocab buffer and the (target-rebuilt) LM-head rows
-        head.load_state_dict(src.state_dict())
+        missing, unexpected = head.load_state_dict(src.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
+        for layer in head.layers[a.num_layers:]:
+            layer.attn.wo.weight.zero_()
+            layer.mlp.w_down.weight.zero_()
 
 
 def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: int = 3,
@@ -326,8 +336,9 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     under out_dir/feature_cache (see features.py); every step then reads them instead of running
     the 30-layer target again.
 
-    `init` warm-starts from a saved head (its weights and its draft vocabulary; n, anchors, L_s and
-    V_d must match): fine-tuning an existing head on new data is much cheaper than starting over.
+    `init` warm-starts from a saved head (its weights and its draft vocabulary; n, anchors and V_d
+    must match, L_s may grow, see warm_start): fine-tuning an existing head on new data is much
+    cheaper than starting over.
 
     `val_samples` (held-out data) are scored at every checkpoint (KL and top-1 agreement at full
     fill); the head with the best top-1 so far is also kept in out_dir/best_head."""
