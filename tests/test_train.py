@@ -133,7 +133,7 @@ def test_warm_start_grows_the_tower_and_drafts_like_the_smaller_head(tiny_checkp
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)
     cfg = TrainConfig(steps=3, batch_tokens=256, max_seq_len=64, save_every=3, log_every=3, warmup=1)
-    small = train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
     zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
     grown = train(FakeTarget(m), data, tmp_path / "b", num_stages=3, draft_layers=3, draft_vocab_size=50, cfg=zero,
                   log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
