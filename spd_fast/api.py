@@ -197,6 +197,9 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head = load_draft(draft, net, target.fingerprint, num_stages,
                           tuple(boundaries) if boundaries is not None else None, net.dtype, net.device)
         b = head.dcfg.boundaries
+    from .packed import pack_draft
+
+    pack_draft(head, net)  # CPU + GGUF target: the head decodes from packed weights too
     return Engine(target, head, b, max_len, source, placement, cuda_graphs)
 
 

@@ -12,6 +12,12 @@ The same module also switches on two fused C++ decode ops (RMSNorm, few-query at
 
 Packed weights are off with SPD_FAST_PACKED=0, for non-fp32 or non-CPU models, for checkpoints that are not GGUF,
 and when the C++ ops cannot be built (one warning, then the fp32 path).
+
+The draft head decodes the same way (`pack_draft`): its LM head takes the target's packed rows
+of the draft vocabulary (the same numbers as its fp32 copy), its tower and aggregation weights
+are quantised to Q8_0 at load (a draft-only approximation: verification still uses the exact
+target, so the output does not change). Without it the fp32 PDM reads ~4x the bytes of a
+Q4_1 target stage per cycle and cannot hide inside one. SPD_FAST_PACKED_DRAFT=0 keeps it fp32.
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ _KINDS = {"Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 
 def enabled() -> bool:
     return os.environ.get("SPD_FAST_PACKED", "1") not in ("0", "false", "no")
+
+
+def draft_enabled() -> bool:
+    return enabled() and os.environ.get("SPD_FAST_PACKED_DRAFT", "1") not in ("0", "false", "no")
 
 
 def _blocks(t) -> tuple[str, np.ndarray]:
@@ -111,6 +121,60 @@ def reference_linear(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tenso
     else:
         w = p["d"][..., None] * p["qs"].reshape(N, -1, 32).float()
     return F.linear(x, w.reshape(N, -1))
+
+
+def quantize_q8_0(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[N, K] float weight (K a multiple of 32) -> Q8_0 blocks in our repacked layout: per block of
+    32 weights a scale d = max|w| / 127 (fp32) and int8 q = round(w / d), so |w - d q| <= d / 2."""
+    N, K = w.shape
+    if K % 32:
+        raise ValueError(f"Q8_0 needs an input width divisible by 32, got a [{N}, {K}] weight")
+    b = w.detach().float().cpu().reshape(N, K // 32, 32)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+    qs = torch.round(b * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return {"kind": "q8_0", "qs": qs.reshape(N, K).contiguous(), "d": d.contiguous()}
+
+
+def take_rows(p: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The packed blocks of output rows `rows` (e.g. the LM-head rows of a draft vocabulary)."""
+    return {k: (v if k == "kind" else v.index_select(0, rows.cpu()).contiguous()) for k, v in p.items()}
+
+
+def aggregate_packed(anchor_rows: torch.Tensor, types: torch.Tensor, blocks: list[dict[str, torch.Tensor]]
+                     ) -> torch.Tensor:
+    """ops.aggregate for CPU decode rows with packed per-type projections: the rows of each type t
+    go through W_t alone (reading (t+1)·H² weights, not the zero-padded m·H x m·H block)."""
+    R, _, H = anchor_rows.shape
+    out = anchor_rows.new_empty(R, H)
+    tl = types.tolist()
+    for t in sorted(set(tl)):
+        idx = torch.tensor([r for r, x in enumerate(tl) if x == t])
+        x = anchor_rows.index_select(0, idx)[:, : t + 1].reshape(len(idx), (t + 1) * H)
+        out.index_copy_(0, idx, packed_linear(x, blocks[t]))
+    return out
+
+
+def pack_draft(head: torch.nn.Module, target: torch.nn.Module) -> bool:
+    """Decode a CPU fp32 draft head from packed weights (see the module docstring). Only when the
+    target itself is packed (a GGUF model), so both sides of a cycle use the same kind of kernels.
+    Returns whether the head was packed."""
+    lm = getattr(target, "lm_head", None)
+    if (not draft_enabled() or not _cpu_fp32(head) or lm is None or getattr(lm, "packed", None) is None):
+        return False
+    from .model import Linear
+
+    for layer in head.layers:
+        for mod in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down):
+            mod.packed = quantize_q8_0(mod.weight)
+    if head.dcfg.frozen_lm_head:
+        head.lm_head.packed = take_rows(lm.packed, head.draft_vocab)  # lossless: the target's own blocks
+    else:
+        head.lm_head.packed = quantize_q8_0(head.lm_head.weight)
+    assert isinstance(head.lm_head, Linear)
+    head.__dict__["_packed_proj"] = [quantize_q8_0(p.weight) for p in head.proj]
+    enable_fused_ops(head)
+    return True
 
 
 def attach(model: torch.nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, SpdConfigError, validate_boundaries
-from .model import DecoderLayer, RMSNorm, attention_mask, rope_tables
+from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
 
@@ -113,7 +113,7 @@ class DraftHead(nn.Module):
         self.dcfg, self.tcfg = dcfg, target_cfg
         self.proj = nn.ModuleList(nn.Linear((i + 1) * H, H, bias=False) for i in range(dcfg.num_types))
         self.layers = nn.ModuleList(DecoderLayer(target_cfg) for _ in range(dcfg.num_layers))
-        self.lm_head = nn.Linear(H, dcfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(H, dcfg.draft_vocab_size, bias=False)  # packable (packed.pack_draft)
         self.register_buffer("draft_vocab", torch.arange(dcfg.draft_vocab_size), persistent=True)
         # Kept out of the module tree so state_dict() and parameters() never include the target's norm.
         self.__dict__["norm"] = target_norm if target_norm is not None else RMSNorm(H, target_cfg.rms_norm_eps)
@@ -137,6 +137,12 @@ class DraftHead(nn.Module):
         """anchor_rows [R, m, H] (anchors beyond a row's type are ignored), types [R] -> g [R, H]."""
         from .ops import aggregate
 
+        packed = self.__dict__.get("_packed_proj")  # set by packed.pack_draft (CPU decode rows)
+        if (packed is not None and anchor_rows.dtype == torch.float32 and anchor_rows.device.type == "cpu"
+                and anchor_rows.shape[0] <= PACKED_MAX_ROWS and not torch.is_grad_enabled()):
+            from .packed import aggregate_packed
+
+            return aggregate_packed(anchor_rows, types, packed)
         return aggregate(anchor_rows, types, self.padded_proj())
 
     # ---- inference ---------------------------------------------------------------------------

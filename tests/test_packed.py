@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_target
 from spd_fast import cpp_ops, packed
 
 pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="needs a C++ compiler for the packed ops")
@@ -112,3 +113,77 @@ def test_fused_ops_can_be_turned_off(monkeypatch, default_target):
     assert packed.enable_fused_ops(net) is False and not net.layers[0].attn.fused and not net.norm.fused
     monkeypatch.setenv("SPD_FAST_FUSED", "1")
     assert packed.enable_fused_ops(net) is True and net.layers[3].mlp_norm.fused
+
+
+# ---- the draft head decodes from packed weights too (packed.pack_draft) ---------------------------
+def test_quantize_q8_0_stays_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 96, generator=g) * torch.rand(24, 1, generator=g)
+    w[5, 32:64] = 0.0  # an all-zero block: scale 0, every weight exactly 0
+    p = packed.quantize_q8_0(w)
+    assert p["qs"].dtype == torch.int8 and p["d"].shape == (24, 3)
+    wq = packed.reference_linear(torch.eye(96), p).T
+    step = p["d"].repeat_interleave(32, dim=1)
+    assert ((wq - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(wq[5, 32:64], torch.zeros(32))
+    assert (p["qs"].abs().amax(-1) == 127).all()  # each row's largest block uses the whole int8 range
+    with pytest.raises(ValueError, match="divisible by 32"):
+        packed.quantize_q8_0(torch.randn(4, 40))
+
+
+def _shipped_fp32_head(tg):
+    from spd_fast.api import shipped_head
+    from spd_fast.pdm import load_draft
+
+    d = shipped_head(tg, 3)
+    assert d is not None, "the default model ships an n=3 head"
+    return load_draft(d, tg.model, tg.fingerprint, 3)
+
+
+def test_packed_draft_head_matches_the_fp32_head(default_target):
+    """pack_draft: the LM head takes the target's own blocks (lossless); the Q8_0 tower and
+    aggregation stay close to fp32 and draft the same tokens on real decode rows; greedy SPD with
+    the packed head is still exactly AR."""
+    from spd_fast.ar import decode_ar
+    from spd_fast.config import uniform_boundaries
+    from spd_fast.drafters import PdmDrafter
+    from spd_fast.engine import SPDEngine
+    from spd_fast.ops import aggregate_torch
+    from spd_fast.sampling import SamplingParams
+
+    tg, net = default_target, default_target.model
+    ref_head, head = _shipped_fp32_head(tg), _shipped_fp32_head(tg)
+    assert packed.pack_draft(head, net) is True
+    assert head.layers[-1].mlp.w_down.packed["kind"] == "q8_0" and head.layers[0].attn.fused
+    w_lm = packed.reference_linear(torch.eye(net.cfg.hidden_size), head.lm_head.packed).T
+    assert torch.equal(w_lm, head.lm_head.weight)  # the target's rows of V_d, bit for bit
+    g = torch.Generator().manual_seed(0)
+    rows, types = torch.randn(5, head.dcfg.num_types, 576, generator=g), torch.tensor([3, 0, 2, 1, 3])
+    with torch.no_grad():
+        want = aggregate_torch(rows, types, ref_head.padded_proj())
+        got = head.aggregate(rows, types)
+    assert (got - want).norm() < 0.02 * want.norm()
+    ids = tg.encode([{"role": "user", "content": "Write a Python function that reverses a string."}])
+    ar = decode_ar(net, ids, 40, SamplingParams(), tg.eos_ids).token_ids
+    runs = {}
+    for name, h in (("fp32", ref_head), ("packed", head)):
+        eng = SPDEngine(net, PdmDrafter(h), uniform_boundaries(30, 3), h.dcfg.anchors)
+        runs[name] = eng.run(ids, 40, SamplingParams(), tg.eos_ids)
+        assert runs[name].token_ids == ar, name
+    a, b = runs["fp32"].metrics["accepted"], runs["packed"].metrics["accepted"]
+    assert a > 10 and abs(a - b) <= 2, (a, b)  # the same drafts, give or take a near-tie
+
+
+def test_packed_draft_can_be_turned_off_and_needs_a_packed_target(monkeypatch, default_target, tiny_checkpoint):
+    tg = default_target
+    monkeypatch.setenv("SPD_FAST_PACKED_DRAFT", "0")
+    head = _shipped_fp32_head(tg)
+    assert packed.pack_draft(head, tg.model) is False
+    assert head.lm_head.packed is None and "_packed_proj" not in head.__dict__
+    monkeypatch.delenv("SPD_FAST_PACKED_DRAFT")
+    tiny = tiny_target(tiny_checkpoint("llama"))  # not a GGUF model: its target is not packed
+    from spd_fast.pdm import DraftConfig, DraftHead, init_from_target
+
+    dcfg = DraftConfig.make(tiny.cfg, (0, tiny.cfg.num_layers // 2, tiny.cfg.num_layers))
+    small = init_from_target(DraftHead(dcfg, tiny.cfg, tiny.norm), tiny).eval()
+    assert packed.pack_draft(small, tiny) is False and small.lm_head.packed is None
