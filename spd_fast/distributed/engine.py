@@ -188,6 +188,9 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
             head = init_from_target(head, net, seed).to(tdtype).eval().requires_grad_(False)
         else:
             head = load_draft(info["draft"], net, info["fingerprint"], n, plan.boundaries, tdtype, ctx.device)
+        from ..packed import pack_draft
+
+        pack_draft(head, net)  # as in api.load: a CPU head on a packed target decodes from packed weights
         return target, PipelineDriver(plan, net, head, links), None, links
 
     box: dict[str, tuple] = {}  # the built objects stay local; the gather only exchanges success / errors
