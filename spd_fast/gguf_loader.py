@@ -122,7 +122,10 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = _unpermute(arr, n)
-        sd[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        arr = np.ascontiguousarray(arr)
+        if not arr.flags.writeable:  # an unquantised tensor is a read-only view of the memory-mapped file
+            arr = arr.copy()
+        sd[name] = torch.from_numpy(arr)
     return cfg, sd
 
 
