@@ -36,12 +36,17 @@ from .model import PACKED_MAX_ROWS as MAX_ROWS  # noqa: F401  (re-exported: the 
 _KINDS = {"Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 
 
+def _switch(name: str) -> bool:
+    """An on-by-default environment switch: 0 / false / no turn it off."""
+    return os.environ.get(name, "1") not in ("0", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get("SPD_FAST_PACKED", "1") not in ("0", "false", "no")
+    return _switch("SPD_FAST_PACKED")
 
 
 def draft_enabled() -> bool:
-    return enabled() and os.environ.get("SPD_FAST_PACKED_DRAFT", "1") not in ("0", "false", "no")
+    return enabled() and _switch("SPD_FAST_PACKED_DRAFT")
 
 
 def _blocks(t) -> tuple[str, np.ndarray]:
@@ -198,7 +203,7 @@ def _cpu_fp32(model: torch.nn.Module) -> bool:
 
 
 def fused_enabled() -> bool:
-    return os.environ.get("SPD_FAST_FUSED", "1") not in ("0", "false", "no")
+    return _switch("SPD_FAST_FUSED")
 
 
 def enable_fused_ops(model: torch.nn.Module) -> bool:
