@@ -254,11 +254,23 @@ def phase_times(pe: PipelinedEngine, ids: list[int], dev: str, clock: Clock, rep
 
 
 # ---- main -----------------------------------------------------------------------------------------
+def measured_acceptance(path: Path = ROOT / "bench" / "results" / "acceptance.json") -> float:
+    """The shipped n=3 head's overall acceptance at temperature 0, as `bench/eval_acceptance.py` last recorded it."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        return next(r["acceptance_rate"] for r in rows
+                    if r["n"] == 3 and r["temperature"] == 0 and r["category"] == "overall")
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        raise SystemExit(f"gpu_check: cannot read the measured acceptance from {path} ({type(e).__name__}: {e}); "
+                         "pass --acceptance P") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    p.add_argument("--acceptance", type=float, default=0.468,
-                   help="imposed acceptance rate (default: the shipped n=3 head's, measured on CPU)")
+    p.add_argument("--acceptance", type=float, default=None,
+                   help="imposed acceptance rate (default: the shipped n=3 head's at temperature 0, read from "
+                        "bench/results/acceptance.json)")
     p.add_argument("--num-stages", default="2,3,5")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -267,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run the same logic on CPU with tiny shapes and simulated streams (no kernels, no graphs)")
     a = p.parse_args(argv)
+    if a.acceptance is None:
+        a.acceptance = measured_acceptance()
+    if not 0.0 <= a.acceptance <= 1.0:
+        p.error(f"--acceptance must be a probability in [0, 1], got {a.acceptance}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dry = a.cpu_dry_run

@@ -93,6 +93,9 @@ def _register_fakes() -> None:
                                               logits.new_empty(*logits.shape[:-1], V, dtype=torch.float32)))
     torch.library.register_fake("spd_fast::q4_1_linear")(lambda x, qs, d, m: x.new_empty(x.shape[0], d.shape[0]))
     torch.library.register_fake("spd_fast::q8_0_linear")(lambda x, qs, d: x.new_empty(x.shape[0], d.shape[0]))
+    torch.library.register_fake("spd_fast::rms_norm_rows")(lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake("spd_fast::decode_attention")(
+        lambda q, k_cache, v_cache, positions, kv_bound: q.new_empty(q.shape))
 
 
 def available() -> bool:

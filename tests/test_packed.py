@@ -107,6 +107,19 @@ def test_fused_decode_ops_match_the_aten_path():
         torch.ops.spd_fast.decode_attention(q.double(), kc, vc, positions, 8)
 
 
+def test_packed_cpp_ops_have_fakes_for_torch_compile():
+    """Each C++ op of csrc/gguf_linear.cpp has a schema and a fake that agree with the real op."""
+    check = ("test_schema", "test_faketensor")
+    p4, p8 = _random_packed("q4_1", 8, 64), _random_packed("q8_0", 8, 64)
+    x = torch.randn(2, 64)
+    torch.library.opcheck(torch.ops.spd_fast.q4_1_linear, (x, p4["qs"], p4["d"], p4["m"]), test_utils=check)
+    torch.library.opcheck(torch.ops.spd_fast.q8_0_linear, (x, p8["qs"], p8["d"]), test_utils=check)
+    torch.library.opcheck(torch.ops.spd_fast.rms_norm_rows, (x, torch.rand(64) + 0.5, 1e-5), test_utils=check)
+    q, kc = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 16, 8)
+    torch.library.opcheck(torch.ops.spd_fast.decode_attention, (q, kc, kc.clone(), torch.tensor([[3, 4]]), 16),
+                          test_utils=check)
+
+
 def test_fused_ops_can_be_turned_off(monkeypatch, default_target):
     net = default_target.model
     monkeypatch.setenv("SPD_FAST_FUSED", "0")

@@ -259,11 +259,35 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     spd = rep["timing_tiny"]["spd"][0]
     assert spd["n"] == 2 and spd["exact"] and len(spd["stage_us"]) == 2
     assert "== gpu_check summary ==" in r.stdout and "| tiny |" in r.stdout
+    # the imposed acceptance defaults to the shipped head's measured one (not a stale constant)
+    rows = json.loads(open("bench/results/acceptance.json").read())["rows"]
+    shipped = [x["acceptance_rate"] for x in rows if x["n"] == 3 and x["temperature"] == 0 and x["category"] == "overall"]
+    assert rep["meta"]["acceptance_imposed"] == shipped[0]
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--acceptance", "1.5",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--acceptance must be a probability in [0, 1], got 1.5" in r.stderr
     # without a GPU and without --cpu-dry-run it says what to do
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "no CUDA device here" in r.stderr
+
+
+def test_gpu_check_acceptance_file_errors(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "bench/gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    f = tmp_path / "acceptance.json"
+    f.write_text('{"rows": [{"n": 3, "temperature": 0.0, "category": "overall", "acceptance_rate": 0.5}]}')
+    assert gc.measured_acceptance(f) == 0.5
+    for text in ('{"rows": []}', "not json"):
+        f.write_text(text)
+        with pytest.raises(SystemExit, match="cannot read the measured acceptance .* pass --acceptance P"):
+            gc.measured_acceptance(f)
+    with pytest.raises(SystemExit, match="FileNotFoundError"):
+        gc.measured_acceptance(tmp_path / "missing.json")
 
 
 def test_nvtx_env_switch_and_profile_script_message(tmp_path):
