@@ -9,12 +9,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .ar import ArDecoder
+from .ar import ArDecoder, check_max_new_tokens
 from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, init_from_target, load_draft
-from .runtime import Prompt, Target, load_target, parse_dtype
+from .pdm import DraftConfig, DraftHead, DraftMismatchError, init_from_target, load_draft
+from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -98,9 +98,10 @@ class Engine:
         prompts, single = _as_batch(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
+        check_max_new_tokens(max_new_tokens)
+        encoded = [self.target.encode(p) for p in prompts]  # a bad prompt fails before any decoding
         outs = []
-        for p in prompts:
-            ids = self.target.encode(p)
+        for ids in encoded:
             toks = list(self._tokens(ids, max_new_tokens, params, method))
             finished, metrics = self._last
             metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0
@@ -109,10 +110,15 @@ class Engine:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, method: str = "spd") -> Iterator[str]:
-        """Yield verified text as it is committed (held back while a multi-byte character is incomplete)."""
+        """Yield verified text as it is committed (held back while a multi-byte character is incomplete).
+        Bad arguments raise here, before the first chunk is asked for."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
-        ids = self.target.encode(prompt)
+        check_max_new_tokens(max_new_tokens)
+        _check_single(prompt)
+        return self._stream(self.target.encode(prompt), max_new_tokens, params, method)
+
+    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str) -> Iterator[str]:
         toks: list[int] = []
         shown = ""
         for t in self._tokens(ids, max_new_tokens, params, method):
@@ -129,6 +135,12 @@ class Engine:
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise SpdConfigError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _check_single(prompt: Any) -> None:
+    if not _as_batch(prompt)[1]:
+        raise SpdConfigError("stream() takes one prompt (a str or a list of chat messages); "
+                             "use generate() for a list of prompts")
 
 
 def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
@@ -156,6 +168,15 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
     if placement not in PLACEMENTS:
         raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    parse_device(device, check_available=False)
+    if cuda_graphs and placement != "streams":
+        raise SpdConfigError(
+            f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
+    if draft is not None and (not isinstance(draft, (str, os.PathLike)) or not str(draft).strip()):
+        raise SpdConfigError(f"draft must be a head directory, 'random', or None (the shipped head), got {draft!r}")
+    for name, value in (("draft_layers", draft_layers), ("seed", seed)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SpdConfigError(f"{name} must be an integer, got {value!r}")
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 
@@ -166,12 +187,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         return load_distributed(  # type: ignore[return-value]  (a DistributedEngine: same generate())
             model=model, draft=draft, num_stages=num_stages, boundaries=boundaries, anchors=anchors,
             draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise SpdConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use device='cpu'")
+    parse_device(device)  # CUDA present, the index exists
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
     if boundaries is not None:
-        b = validate_boundaries(tuple(boundaries), L)
+        b = validate_boundaries(boundaries, L)
         num_stages = len(b) - 1
     else:
         validate_num_stages(L, num_stages)
@@ -195,7 +215,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         source = "random"
     else:
         head = load_draft(draft, net, target.fingerprint, num_stages,
-                          tuple(boundaries) if boundaries is not None else None, net.dtype, net.device)
+                          b if boundaries is not None else None, net.dtype, net.device)
+        if anchors is not None and tuple(anchors) != head.dcfg.anchors:
+            raise DraftMismatchError(
+                f"the draft head was trained for anchors {list(head.dcfg.anchors)}, not {list(anchors)}; "
+                "omit anchors (a trained head brings its own) or use draft='random'")
         b = head.dcfg.boundaries
     from .packed import pack_draft
 
@@ -223,6 +247,8 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
+    check_max_new_tokens(max_new_tokens)
+    _as_batch(prompt)
     eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement)
     return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
@@ -233,6 +259,8 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
            max_len: int = 2048) -> Iterator[str]:
     _check_method(method)
-    SamplingParams(temperature, top_k, top_p, seed)
+    SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
+    check_max_new_tokens(max_new_tokens)
+    _check_single(prompt)
     eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len)
     return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)

@@ -1,6 +1,7 @@
 """Plain autoregressive decoding with the same model code: the baseline SPD is measured against."""
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -21,9 +22,28 @@ class DecodeResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def check_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, extra: int = 0) -> None:
+def check_max_new_tokens(max_new_tokens: object) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise SpdConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int,
+                     fix: str = "pass token ids from this model's tokenizer") -> None:
+    """Every prompt token must be an integer id of the model's vocabulary (else the embedding fails)."""
+    if len(prompt_ids) == 0:
+        raise SpdConfigError("the prompt has no tokens; pass at least one token id")
+    for i, t in enumerate(prompt_ids):
+        try:
+            v = operator.index(t)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            v = -1
+        if isinstance(t, bool) or not 0 <= v < vocab_size:
+            raise SpdConfigError(f"prompt token {t!r} at position {i} is not a token id of this model "
+                                 f"(integers 0..{vocab_size - 1}); {fix}")
+
+
+def check_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, extra: int = 0) -> None:
+    check_max_new_tokens(max_new_tokens)
     need = prompt_len + max_new_tokens + extra
     if need > model.max_len:
         raise SpdConfigError(
@@ -48,6 +68,7 @@ class ArDecoder:
     def __init__(self, model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
                  eos_ids: Sequence[int], generator: torch.Generator | None = None):
         check_capacity(model, len(prompt_ids), max_new_tokens)
+        check_prompt_ids(prompt_ids, model.cfg.vocab_size)
         self.model, self.prompt_ids, self.max_new = model, list(prompt_ids), max_new_tokens
         self.params, self.eos, self.gen = params, set(int(e) for e in eos_ids), generator
         self.result: DecodeResult | None = None

@@ -20,6 +20,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def _list_of(conv: Callable[[str], Any], example: str) -> Callable[[str], list]:
     def parse(text: str) -> list:
         try:
@@ -43,7 +53,8 @@ def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None)
                    "for this model and n, else a random head with a warning)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch CPU threads (default 0: torch's choice)")
     p.add_argument("--placement", default="local", choices=["local", "sequential", "streams", "devices"],
                    help="executor: local/sequential (default, CPU or GPU), streams (one GPU, a CUDA stream per "
                         "stage, CUDA graphs), devices (one stage per GPU)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,14 @@ def validate_num_stages(num_layers: int, num_stages: int) -> None:
 
 
 def validate_boundaries(boundaries: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
-    b = tuple(int(x) for x in boundaries)
+    example = list(uniform_boundaries(num_layers, min(3, num_layers)))
+    try:
+        b = tuple(operator.index(x) for x in boundaries)  # no silent int(2.7) == 2
+    except TypeError:
+        raise SpdConfigError(f"stage boundaries must be a sequence of integer layer indices, got {boundaries!r} "
+                             f"(e.g. {example})") from None
     if len(b) < 2 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
         raise SpdConfigError(
             f"stage boundaries {list(b)} are invalid: they must start at 0, end at num_layers={num_layers} "
-            f"and strictly increase (e.g. {list(uniform_boundaries(num_layers, min(3, num_layers)))})")
+            f"and strictly increase (e.g. {example})")
     return b

@@ -17,7 +17,7 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from .ar import check_capacity
+from .ar import check_capacity, check_prompt_ids
 from .config import SpdConfigError, validate_boundaries
 from .model import Transformer, make_stages
 from .ops import verify_greedy, verify_sampling
@@ -223,6 +223,7 @@ class SPDEngine:
                  eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
         """Yield committed tokens (only verified or exact ones); sets self.last_metrics at the end."""
         check_capacity(self.model, len(prompt_ids), max_new_tokens, extra=self.n + 1)
+        check_prompt_ids(prompt_ids, self.model.cfg.vocab_size)
         eos = set(int(e) for e in eos_ids)
         t0 = time.perf_counter()
         st, first = self.start(prompt_ids, params, generator)

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .ar import DecodeResult, check_capacity, prefill
+from .ar import DecodeResult, check_capacity, check_prompt_ids, prefill
 from .model import Transformer
 from .engine import Committer
 from .pipeline import Readback, graph_pool, run_ahead
@@ -73,6 +73,7 @@ class GraphedAR:
                  eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
         m = self.model
         check_capacity(m, len(prompt_ids), max_new_tokens, extra=self.lag + 2)
+        check_prompt_ids(prompt_ids, m.cfg.vocab_size)
         eos = set(int(e) for e in eos_ids)
         P = len(prompt_ids)
         with torch.inference_mode():

@@ -222,6 +222,9 @@ def load_draft(path: str | Path, target, fingerprint: str,
 
     path = Path(path)
     cfg_file, w_file = path / "draft_config.json", path / "draft.safetensors"
+    if not path.exists():
+        raise DraftMismatchError(f"draft head {path} does not exist; pass a head directory (draft_config.json + "
+                                 "draft.safetensors), draft='random', or draft=None for the shipped head")
     if not cfg_file.is_file() or not w_file.is_file():
         raise DraftMismatchError(
             f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")

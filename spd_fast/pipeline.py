@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .ar import check_capacity
+from .ar import check_capacity, check_prompt_ids
 from .config import SpdConfigError
 from .engine import Committer, PipelineState, SPDEngine, metrics_from
 from .ops import verify_greedy, verify_sampling
@@ -332,6 +332,7 @@ class PipelinedEngine:
         """Yield committed tokens; sets last_metrics and last_finished_by_eos at the end."""
         e = self.engine
         check_capacity(e.model, len(prompt_ids), max_new_tokens, extra=e.n + 1)
+        check_prompt_ids(prompt_ids, e.model.cfg.vocab_size)
         eos = set(int(x) for x in eos_ids)
         t0 = time.perf_counter()
         with nvtx_range("spd.prefill"):

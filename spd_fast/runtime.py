@@ -19,6 +19,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 Prompt = str | Sequence[dict[str, str]]
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")  # roles chat templates know
+_DEVICE_HINT = "use 'cpu', 'cuda' or 'cuda:<index>'"
+
+
+def parse_device(device: str | torch.device, check_available: bool = True) -> torch.device:
+    """A CPU or CUDA device; with check_available, CUDA must be present and the index must exist."""
+    if not isinstance(device, (str, torch.device)):
+        raise SpdConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpdConfigError(f"device {device!r} is not a valid device; {_DEVICE_HINT}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SpdConfigError(f"device {device!r} is not supported (spd_fast runs on CPU or CUDA); {_DEVICE_HINT}")
+    if check_available and dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpdConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use device='cpu'")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SpdConfigError(f"device {device!r} does not exist: {count} CUDA GPU(s) are visible "
+                                 f"(cuda:0..cuda:{count - 1}); pick one of those")
+    return dev
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -44,7 +66,12 @@ class Target:
         return self.model.cfg
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+        from .ar import check_prompt_ids
+
+        ids = encode_prompt(self.tokenizer, prompt)
+        check_prompt_ids(ids, self.cfg.vocab_size, fix=f"the tokenizer in {self.path} does not match the model "
+                         f"(vocab_size={self.cfg.vocab_size}); put the model's own tokenizer files there")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -99,8 +126,11 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         if not prompt:
             raise SpdConfigError("the message list is empty; pass at least one {'role': 'user', 'content': ...}")
         for m in prompt:
-            if set(m) < {"role", "content"} or not isinstance(m.get("content"), str):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise SpdConfigError(f"chat message {m!r} needs string 'role' and 'content' keys")
+            if m["role"] not in CHAT_ROLES:
+                raise SpdConfigError(f"chat message {m!r} has role {m['role']!r}; use one of "
+                                     + ", ".join(repr(r) for r in CHAT_ROLES))
         if getattr(tokenizer, "chat_template", None) is None:
             raise SpdConfigError("this model's tokenizer has no chat template; pass the prompt as a plain string")
         ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)

@@ -11,6 +11,8 @@ import torch
 
 from .config import SpdConfigError
 
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,12 +25,17 @@ class SamplingParams:
         t, k, p = self.temperature, self.top_k, self.top_p
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t >= 0) or t == float("inf"):
             raise SpdConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow to inf and the probabilities to NaN
+            raise SpdConfigError(f"temperature {t!r} is too small to sample with; use temperature=0 for greedy "
+                                 f"decoding or a value >= {MIN_TEMPERATURE}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise SpdConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
             raise SpdConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SpdConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator accepts
+            raise SpdConfigError(f"seed {self.seed} is out of range; use an integer in [-2**63, 2**64 - 1]")
 
     @property
     def greedy(self) -> bool:

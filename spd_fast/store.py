@@ -45,6 +45,9 @@ def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) ->
     """Return a local HF-style directory for `model` (None = the default model)."""
     if model is None:
         return convert_gguf(default_gguf_path(), progress=progress)
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise ModelNotFoundError(f"model must be a Hugging Face checkpoint directory or a .gguf file, or None for "
+                                 f"the default model; got {model!r}")
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(

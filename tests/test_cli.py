@@ -151,6 +151,11 @@ def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):
                     "placement='streams' runs the stages on CUDA GPUs", id="streams-on-cpu")]
       if not __import__("torch").cuda.is_available() else []),
     pytest.param(["train"], "the following arguments are required: --out", id="train-no-out"),
+    pytest.param(["generate", "--user", "hi", "--threads", "-1"], "--threads: expected an integer >= 0, got -1",
+                 id="threads-negative"),
+    pytest.param(["bench", "--threads", "x"], "--threads: expected an integer >= 0, got 'x'", id="bench-threads"),
+    pytest.param(["generate", "--user", "hi", "--device", "gpu"], "device 'gpu' is not a valid device", id="device"),
+    pytest.param(["generate", "hi", "--temperature", "1", "--seed", str(2**70)], "is out of range", id="seed-range"),
 ])
 def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
     rc, _, err = run_cli(argv, capsys)

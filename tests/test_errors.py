@@ -115,6 +115,8 @@ def test_prompt_longer_than_cache(tiny_checkpoint):
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(seed="x"), "seed must be an integer"),
+    (dict(seed=2**70), r"seed 1180591620717411303424 is out of range; use an integer in \[-2\*\*63"),
+    (dict(temperature=1e-40), "temperature 1e-40 is too small to sample with; use temperature=0 for greedy"),
 ])
 def test_invalid_sampling_values(kw, msg):
     with pytest.raises(SpdConfigError, match=msg):
@@ -127,6 +129,40 @@ def test_invalid_max_new_tokens(tiny_checkpoint):
     m = tiny_target(tiny_checkpoint("llama"))
     with pytest.raises(SpdConfigError, match="max_new_tokens must be an integer >= 1"):
         decode_ar(m, [1, 2], 0, SamplingParams(), [])
+    for bad in (0, -1, 2.0, None):  # the public functions check it before loading anything
+        with pytest.raises(SpdConfigError, match=f"max_new_tokens must be an integer >= 1, got {bad}"):
+            spd_fast.generate("hi", max_new_tokens=bad, model="/nonexistent")
+        with pytest.raises(SpdConfigError, match=f"max_new_tokens must be an integer >= 1, got {bad}"):
+            spd_fast.stream("hi", max_new_tokens=bad, model="/nonexistent")
+
+
+def test_prompt_token_ids_outside_the_vocabulary(tiny_checkpoint):
+    from test_engine import spd
+
+    m = tiny_target(tiny_checkpoint("llama"))  # vocab_size 97
+    for ids in ([5, 97], [5, -1], [5, 2.0]):
+        with pytest.raises(SpdConfigError, match=r"prompt token .* at position 1 is not a token id of this model "
+                                                  r"\(integers 0..96\); pass token ids from this model's tokenizer"):
+            decode_ar(m, ids, 4, SamplingParams(), [])
+        with pytest.raises(SpdConfigError, match="at position 1 is not a token id of this model"):
+            spd(m, ids, (0, 3, 6), 4)
+    # a checkpoint whose tokenizer is larger than its embedding: tiny models borrow SmolLM2's tokenizer
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", progress=False)
+    with pytest.raises(SpdConfigError, match=r"prompt token \d+ at position 0 is not a token id of this model.*"
+                                              r"the tokenizer in .* does not match the model \(vocab_size=97\)"):
+        eng.generate("Hello world", max_new_tokens=2)
+
+
+def test_stream_checks_its_arguments_before_the_first_chunk(tiny_checkpoint):
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", progress=False)
+    with pytest.raises(SpdConfigError, match="max_new_tokens must be an integer >= 1, got 0"):
+        eng.stream("!", max_new_tokens=0)  # no next(): the call itself raises
+    with pytest.raises(SpdConfigError, match=r"stream\(\) takes one prompt .*use generate\(\) for a list"):
+        eng.stream(["!", "?"])
+    with pytest.raises(SpdConfigError, match=r"stream\(\) takes one prompt"):
+        spd_fast.stream(["!", "?"], model="/nonexistent")
+    with pytest.raises(SpdConfigError, match="prompt is empty"):  # a bad prompt in a batch: before decoding any
+        eng.generate(["!", ""], max_new_tokens=2)
 
 
 def test_empty_prompts(default_target):
@@ -137,6 +173,12 @@ def test_empty_prompts(default_target):
         encode_prompt(tok, [])
     with pytest.raises(SpdConfigError, match="needs string 'role' and 'content'"):
         encode_prompt(tok, [{"role": "user"}])
+    with pytest.raises(SpdConfigError, match="needs string 'role' and 'content'"):
+        encode_prompt(tok, [{"content": "hi", "author": "me"}])
+    with pytest.raises(SpdConfigError, match="needs string 'role' and 'content'"):
+        encode_prompt(tok, [{"role": 5, "content": "hi"}])
+    with pytest.raises(SpdConfigError, match="has role 'banana'; use one of 'system', 'developer', 'user', 'assistant', 'tool'"):
+        encode_prompt(tok, [{"role": "banana", "content": "hi"}])
     with pytest.raises(SpdConfigError, match="prompt must be a str"):
         encode_prompt(tok, 42)
 
@@ -152,6 +194,10 @@ def test_bad_boundaries_and_anchors(tiny_checkpoint):
     m = tiny_target(tiny_checkpoint("llama"))
     with pytest.raises(SpdConfigError, match="stage boundaries .* are invalid"):
         SPDEngine(m, None, (0, 4, 3, 6))
+    for bad in ((0, 2.7, 6), "0,3,6", (0, "a", 6)):  # 2.7 used to become 2 silently
+        with pytest.raises(SpdConfigError, match=r"stage boundaries must be a sequence of integer layer indices.*"
+                                                  r"e.g. \[0, 2, 4, 6\]"):
+            spd_fast.load(model=tiny_checkpoint("llama"), boundaries=bad, draft="random", progress=False)
     with pytest.raises(SpdConfigError, match="anchors .* must start at 0"):
         SPDEngine(m, None, (0, 3, 6), anchors=(0, 3, 9))
     from spd_fast.pdm import DraftConfig
@@ -164,6 +210,32 @@ def test_bad_method_and_dtype():
         spd_fast.generate("hi", method="beam")
     with pytest.raises(SpdConfigError, match="dtype 'int8' is not supported"):
         load_target(None, dtype="int8")
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(device="gpu"), r"device 'gpu' is not a valid device; use 'cpu', 'cuda' or 'cuda:<index>'"),
+    (dict(device="CPU"), r"device 'CPU' is not a valid device"),
+    (dict(device="meta"), r"device 'meta' is not supported \(spd_fast runs on CPU or CUDA\)"),
+    (dict(device=None), "device must be a string like 'cpu' or 'cuda:0', got None"),
+    (dict(cuda_graphs=True), "cuda_graphs=True needs placement='streams' on a CUDA device, got placement='local'"),
+    (dict(draft=5), r"draft must be a head directory, 'random', or None \(the shipped head\), got 5"),
+    (dict(draft_layers="2"), "draft_layers must be an integer, got '2'"),
+    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(model=5), "model must be a Hugging Face checkpoint directory or a .gguf file.*got 5"),
+    (dict(model=""), "model must be a Hugging Face checkpoint directory or a .gguf file.*got ''"),
+])
+def test_invalid_load_arguments(kw, msg):
+    with pytest.raises(SpdConfigError, match=msg):  # all before any weights are read
+        spd_fast.load(**{"draft": "random", **kw})
+
+
+def test_cpu_device_spellings_and_missing_draft_dir(tiny_checkpoint, tmp_path):
+    for dev in ("cpu:0", torch.device("cpu")):  # valid CPU devices (were refused as "needs CUDA")
+        assert spd_fast.load(model=tiny_checkpoint("llama"), draft="random", device=dev,
+                             progress=False).target.model.device.type == "cpu"
+    with pytest.raises(SpdConfigError, match="draft head .*nope does not exist; pass a head directory.*"
+                                             "draft='random', or draft=None"):
+        spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "nope"), progress=False)
 
 
 def test_cuda_device_without_gpu():

@@ -183,6 +183,8 @@ def test_api_refuses_head_for_other_n(tiny_checkpoint, tmp_path):
     init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 3, 6), fingerprint=fp), m.cfg, m.norm), m).save(tmp_path / "h")
     with pytest.raises(SpdConfigError, match="trained for num_stages=2, not 3"):
         spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=3)
+    with pytest.raises(DraftMismatchError, match=r"trained for anchors \[0, 3, 6\], not \[0, 2\]; omit anchors"):
+        spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=2, anchors=(0, 2))
 
 
 class _RecordingDrafter:
