@@ -18,6 +18,7 @@ from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
 HEADS_DIR = Path(__file__).parent / "heads"
+DEFAULT_NUM_STAGES = 3
 METHODS = ("spd", "ar")
 # local = sequential: the reference executor (CPU and GPU); streams: one GPU, a CUDA stream per stage,
 # the cycle as a CUDA graph; devices: one stage per GPU (spd_fast/pipeline.py); distributed: one stage
@@ -157,12 +158,14 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
         f"prompt must be a str, a list of {{'role', 'content'}} dicts, or a list of those; got {type(prompt).__name__}")
 
 
-def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int = 3,
+def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int | None = None,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
          progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None) -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
     else a random head with a warning), or "random" (a seeded random head of the right shape).
+    num_stages: n; None means len(boundaries) - 1 when boundaries are given, the world size with
+    placement="distributed", else 3.
     placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
     replayed as a CUDA graph unless cuda_graphs=False), "devices" (one stage per GPU), or
     "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
@@ -180,7 +183,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 
-        resolve_placement(placement, device, len(boundaries) - 1 if boundaries is not None else num_stages)
+        resolve_placement(placement, device, len(boundaries) - 1 if boundaries is not None
+                          else num_stages or DEFAULT_NUM_STAGES)
     if placement == "distributed":
         from .distributed import load_distributed
 
@@ -192,8 +196,12 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     L = target.cfg.num_layers
     if boundaries is not None:
         b = validate_boundaries(boundaries, L)
+        if num_stages is not None and num_stages != len(b) - 1:
+            raise SpdConfigError(f"num_stages={num_stages!r} disagrees with boundaries {list(b)}, which make "
+                                 f"{len(b) - 1} stages; pass only one of them")
         num_stages = len(b) - 1
     else:
+        num_stages = DEFAULT_NUM_STAGES if num_stages is None else num_stages
         validate_num_stages(L, num_stages)
         b = uniform_boundaries(L, num_stages)
     if not isinstance(max_len, int) or max_len < 8:

@@ -198,6 +198,12 @@ def test_bad_boundaries_and_anchors(tiny_checkpoint):
         with pytest.raises(SpdConfigError, match=r"stage boundaries must be a sequence of integer layer indices.*"
                                                   r"e.g. \[0, 2, 4, 6\]"):
             spd_fast.load(model=tiny_checkpoint("llama"), boundaries=bad, draft="random", progress=False)
+    with pytest.raises(SpdConfigError, match=r"num_stages=2 disagrees with boundaries \[0, 2, 4, 6\], which make 3 "
+                                              "stages; pass only one of them"):
+        spd_fast.load(model=tiny_checkpoint("llama"), num_stages=2, boundaries=(0, 2, 4, 6), draft="random",
+                      progress=False)
+    assert spd_fast.load(model=tiny_checkpoint("llama"), boundaries=(0, 2, 4, 6), draft="random",
+                         progress=False).num_stages == 3
     with pytest.raises(SpdConfigError, match="anchors .* must start at 0"):
         SPDEngine(m, None, (0, 3, 6), anchors=(0, 3, 9))
     from spd_fast.pdm import DraftConfig
