@@ -48,6 +48,22 @@ MIX = [("chat", 0.4, CHAT), ("math", 0.3, MATH), ("code", 0.3, CODE)]
 CUM_WEIGHTS = list(accumulate(w for _, w, _ in MIX))
 
 
+def finished_rounds(out: Path) -> set[int]:
+    """Rounds already in `out`. A run killed while appending leaves an unterminated last line; then the
+    last complete line's round is cut off too (it may be the interrupted one). Rounds are seeded, so
+    generating a cut round again gives the same samples."""
+    if not out.is_file():
+        return set()
+    data = out.read_bytes()
+    rows = [json.loads(line) for line in data[:data.rfind(b"\n") + 1].decode().splitlines()]
+    if data and not data.endswith(b"\n"):
+        last = rows[-1]["round"] if rows else None
+        rows = [r for r in rows if r["round"] != last]
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{out}: cut an interrupted write (round {last}); it will be generated again", flush=True)
+    return {r["round"] for r in rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -62,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     target = load_target(None)
     out = Path(a.out)
-    done = {json.loads(line)["round"] for line in out.open()} if out.is_file() else set()
+    done = finished_rounds(out)
     target.model.setup_caches(a.batch, 640)
     for r in range(a.rounds):
         if r in done:
@@ -81,10 +97,11 @@ def main() -> None:
         agen = torch.Generator().manual_seed(a.seed * 7 + r) if a.temperature > 0 else None
         answers = generate_batch(target.model, [k[2] for k in keep], a.max_new_tokens, params, target.eos_ids, agen) \
             if keep else []
+        lines = [json.dumps({"id": f"magpie-{a.seed}-{r}-{i}", "round": r, "category": cat, "prompt": text,
+                             "prompt_ids": ids, "response_ids": ans}) + "\n"
+                 for i, ((cat, text, ids), ans) in enumerate(zip(keep, answers))]
         with out.open("a") as f:
-            for i, ((cat, text, ids), ans) in enumerate(zip(keep, answers)):
-                f.write(json.dumps({"id": f"magpie-{a.seed}-{r}-{i}", "round": r, "category": cat, "prompt": text,
-                                    "prompt_ids": ids, "response_ids": ans}) + "\n")
+            f.write("".join(lines))  # one write per round: an interrupted one is found by finished_rounds
         print(json.dumps({"round": r, "kept": len(keep), "of": a.batch, "seconds": round(time.perf_counter() - t0, 1)}),
               flush=True)
 

@@ -1,6 +1,8 @@
 """PDM checkpoints and training: mask vs brute force, loss goes down, resume, n mismatch."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -344,7 +346,6 @@ def test_self_written_prompts_start_with_the_opener_and_end_their_turn(default_t
 def _run_dedupe(tmp_path, *args):
     import subprocess
     import sys
-    from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "dedupe_prompts.py"
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=tmp_path)
 
@@ -368,3 +369,23 @@ def test_dedupe_prompts_names_a_file_without_prompts(tmp_path):
     r = _run_dedupe(tmp_path, "ok.jsonl", "ids.jsonl", "--out", "out.jsonl")
     assert r.returncode != 0
     assert "ids.jsonl: row 2 has no 'prompt' field" in r.stderr
+
+
+def test_magpie_resume_cuts_an_interrupted_round(tmp_path, capsys):
+    """scripts/self_distill_magpie.py: a partial last line (a killed run) drops that round so it is redone."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "magpie", Path(__file__).resolve().parents[1] / "scripts" / "self_distill_magpie.py")
+    magpie = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(magpie)
+    f = tmp_path / "sd.jsonl"
+    assert magpie.finished_rounds(f) == set()
+    rows = [{"id": f"magpie-5-{r}-{i}", "round": r} for r in range(3) for i in range(2)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert magpie.finished_rounds(f) == {0, 1, 2}
+    f.write_text(f.read_text() + '{"id": "magpie-5-3-0", "rou')
+    assert magpie.finished_rounds(f) == {0, 1}
+    assert "cut an interrupted write (round 2)" in capsys.readouterr().out
+    assert [json.loads(line)["round"] for line in f.read_text().splitlines()] == [0, 0, 1, 1]
