@@ -171,7 +171,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
     if placement not in PLACEMENTS:
         raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    parse_device(device, check_available=False)
+    parse_device(device)  # a CPU or CUDA device that exists here
     if cuda_graphs and placement != "streams":
         raise SpdConfigError(
             f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
@@ -191,7 +191,6 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         return load_distributed(  # type: ignore[return-value]  (a DistributedEngine: same generate())
             model=model, draft=draft, num_stages=num_stages, boundaries=boundaries, anchors=anchors,
             draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
-    parse_device(device)  # CUDA present, the index exists
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
     if boundaries is not None:

@@ -23,8 +23,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "fu
 _DEVICE_HINT = "use 'cpu', 'cuda' or 'cuda:<index>'"
 
 
-def parse_device(device: str | torch.device, check_available: bool = True) -> torch.device:
-    """A CPU or CUDA device; with check_available, CUDA must be present and the index must exist."""
+def parse_device(device: str | torch.device) -> torch.device:
+    """A CPU or CUDA device that exists here: CUDA must be present and the index must be visible."""
     if not isinstance(device, (str, torch.device)):
         raise SpdConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {device!r}")
     try:
@@ -33,7 +33,7 @@ def parse_device(device: str | torch.device, check_available: bool = True) -> to
         raise SpdConfigError(f"device {device!r} is not a valid device; {_DEVICE_HINT}") from None
     if dev.type not in ("cpu", "cuda"):
         raise SpdConfigError(f"device {device!r} is not supported (spd_fast runs on CPU or CUDA); {_DEVICE_HINT}")
-    if check_available and dev.type == "cuda":
+    if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise SpdConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use device='cpu'")
         count = torch.cuda.device_count()

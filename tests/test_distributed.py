@@ -225,6 +225,16 @@ def test_missing_rendezvous_settings():
     assert "missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in p.stderr and "torchrun" in p.stderr
 
 
+def test_bad_device_is_refused_before_joining():
+    from spd_fast.config import SpdConfigError
+    from spd_fast.distributed.launch import init_rank
+
+    with pytest.raises(SpdConfigError, match="device 'gpu' is not a valid device; use 'cpu', 'cuda'"):
+        init_rank("gpu")
+    with pytest.raises(SpdConfigError, match=r"device 'meta' is not supported \(spd_fast runs on CPU or CUDA\)"):
+        init_rank("meta")
+
+
 def test_world_size_must_equal_num_stages(tmp_path):
     job = Job(tmp_path, 2, [*HEAD_ARGS, "--num-stages", "3", "Hi"])
     job.wait(120)

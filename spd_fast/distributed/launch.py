@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SpdConfigError
+from ..runtime import parse_device
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_HINT = "torchrun --nproc-per-node N -m spd_fast.distributed ..."
@@ -67,14 +68,8 @@ def init_rank(device: str = "cpu", timeout: float = 30.0, startup_timeout: float
     """Join the process group (gloo on CPU, NCCL on CUDA); reuse one the caller already created."""
     timeout = _check_timeout("timeout", timeout)
     startup_timeout = max(timeout, _check_timeout("startup_timeout", startup_timeout))
-    if device == "cpu":
-        backend, dev = "gloo", None
-    elif device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise DistributedConfigError(f"device={device!r} needs CUDA but this torch build has no GPU; use 'cpu'")
-        backend = "nccl"
-    else:
-        raise DistributedConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    kind = parse_device(device).type  # 'cpu' or 'cuda' (present); each rank takes cuda:LOCAL_RANK
+    backend = "gloo" if kind == "cpu" else "nccl"
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -83,7 +78,7 @@ def init_rank(device: str = "cpu", timeout: float = 30.0, startup_timeout: float
         rank, world, local = rendezvous_env()
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=startup_timeout))
-    dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", local)
+    dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return RankContext(rank, world, local, dev, backend, timeout, startup_timeout)
