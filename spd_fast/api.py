@@ -159,13 +159,13 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
 
 
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int | None = None,
-         boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
+         boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int | None = None,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
          progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None) -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
     else a random head with a warning), or "random" (a seeded random head of the right shape).
     num_stages: n; None means len(boundaries) - 1 when boundaries are given, the world size with
-    placement="distributed", else 3.
+    placement="distributed", the head's own n when draft is a head directory, else 3.
     placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
     replayed as a CUDA graph unless cuda_graphs=False), "devices" (one stage per GPU), or
     "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
@@ -178,6 +178,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if draft is not None and (not isinstance(draft, (str, os.PathLike)) or not str(draft).strip()):
         raise SpdConfigError(f"draft must be a head directory, 'random', or None (the shipped head), got {draft!r}")
     for name, value in (("draft_layers", draft_layers), ("seed", seed)):
+        if name == "draft_layers" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise SpdConfigError(f"{name} must be an integer, got {value!r}")
     if placement in ("streams", "devices"):
@@ -193,6 +195,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
+    n_given = num_stages is not None or boundaries is not None
     if boundaries is not None:
         b = validate_boundaries(boundaries, L)
         if num_stages is not None and num_stages != len(b) - 1:
@@ -216,17 +219,14 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         else:
             draft, source = found, f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(net.cfg, b, anchors, draft_layers, fingerprint=target.fingerprint)
+        dcfg = DraftConfig.make(net.cfg, b, anchors, 1 if draft_layers is None else draft_layers, fingerprint=target.fingerprint)
         head = init_from_target(DraftHead(dcfg, net.cfg, net.norm), net, seed).to(net.dtype).eval()
         head.requires_grad_(False)
         source = "random"
     else:
-        head = load_draft(draft, net, target.fingerprint, num_stages,
+        head = load_draft(draft, net, target.fingerprint, num_stages if n_given else None,
                           b if boundaries is not None else None, net.dtype, net.device)
-        if anchors is not None and tuple(anchors) != head.dcfg.anchors:
-            raise DraftMismatchError(
-                f"the draft head was trained for anchors {list(head.dcfg.anchors)}, not {list(anchors)}; "
-                "omit anchors (a trained head brings its own) or use draft='random'")
+        head.dcfg.check_requested(anchors, draft_layers)
         b = head.dcfg.boundaries
     from .packed import pack_draft
 
@@ -246,7 +246,7 @@ def _cached_engine(**kw: Any) -> Engine:
 
 
 def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int = 3,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
              dtype: str = "float32", max_len: int = 2048, placement: str = "local"
              ) -> GenerationOutput | list[GenerationOutput] | None:
@@ -262,7 +262,7 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
 
 
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, seed: int | None = None, num_stages: int = 3, method: str = "spd",
+           top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
            max_len: int = 2048) -> Iterator[str]:
     _check_method(method)

@@ -77,7 +77,7 @@ def apply_runtime_options(args: argparse.Namespace) -> None:
         kernels.set_backend(args.kernels)
 
 
-def load_engine(args: argparse.Namespace, num_stages: int, quiet: bool, draft: str | None = None) -> Any:
+def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:
     """spd_fast.load with the common options; warnings (e.g. 'no shipped head') go to stderr as one
     line each unless quiet."""
     import spd_fast

@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--system", help="a system message (with --user)")
     g.add_argument("--method", choices=["spd", "ar"], default="spd",
                    help="spd (default) or ar, the plain autoregressive baseline")
-    g.add_argument("--num-stages", "-n", type=positive_int, default=3, help="pipeline stages n (default: 3)")
+    g.add_argument("--num-stages", "-n", type=positive_int, default=None,
+                   help="pipeline stages n (default: the --draft head's own n, else 3)")
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")

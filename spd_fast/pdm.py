@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -90,6 +90,17 @@ class DraftConfig:
         if boundaries is not None and tuple(boundaries) != self.boundaries:
             raise DraftMismatchError(
                 f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}")
+
+    def check_requested(self, anchors: Sequence[int] | None, num_layers: int | None) -> None:
+        """A trained head brings its own anchors and depth; asking it for others is an error, not ignored."""
+        if anchors is not None and tuple(anchors) != self.anchors:
+            raise DraftMismatchError(
+                f"the draft head was trained for anchors {list(self.anchors)}, not {list(anchors)}; "
+                "omit anchors (a trained head brings its own) or use draft='random'")
+        if num_layers is not None and num_layers != self.num_layers:
+            raise DraftMismatchError(
+                f"the draft head has {self.num_layers} decoder layers, not draft_layers={num_layers}; omit "
+                "draft_layers (a trained head brings its own) or use draft='random'")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -265,3 +265,30 @@ def test_placement_is_validated():
             spd_fast.generate("Hi", num_stages=2, placement="distributed")
     finally:
         os.environ.update(saved)
+
+
+def test_trained_head_refuses_other_anchors_or_depth(tiny_checkpoint, tmp_path):
+    """Rank 0's plan: a trained head brings its own anchors and L_s; asking for others is an error
+    with the same message as the single-process load(), not silently ignored."""
+    import torch
+
+    from spd_fast.config import ModelConfig
+    from spd_fast.distributed.engine import _plan_on_rank0
+    from spd_fast.pdm import DraftMismatchError
+
+    from conftest import tiny_target  # noqa: I001
+
+    path = tiny_checkpoint("llama")
+    m, cfg = tiny_target(path), ModelConfig.from_dir(path)
+    init_from_target(DraftHead(DraftConfig.make(cfg, (0, 3, 6), num_layers=2), cfg, m.norm), m).save(tmp_path / "h")
+
+    def plan(**kw):
+        args = dict(anchors=None, draft_layers=None) | kw
+        return _plan_on_rank0(path, cfg, torch.float32, 2, None, args["anchors"], str(tmp_path / "h"),
+                              args["draft_layers"], 0)
+
+    assert plan()["anchors"] == (0, 3, 6) and DraftConfig.from_json(plan(draft_layers=2)["dcfg"]).num_layers == 2
+    with pytest.raises(DraftMismatchError, match=r"trained for anchors \[0, 3, 6\], not \[0, 2\]; omit anchors"):
+        plan(anchors=(0, 2))
+    with pytest.raises(DraftMismatchError, match=r"has 2 decoder layers, not draft_layers=1; omit draft_layers"):
+        plan(draft_layers=1)

@@ -187,6 +187,11 @@ def test_api_refuses_head_for_other_n(tiny_checkpoint, tmp_path):
         spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=3)
     with pytest.raises(DraftMismatchError, match=r"trained for anchors \[0, 3, 6\], not \[0, 2\]; omit anchors"):
         spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=2, anchors=(0, 2))
+    with pytest.raises(DraftMismatchError, match=r"has 1 decoder layers, not draft_layers=3; omit draft_layers"):
+        spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), num_stages=2, draft_layers=3)
+    # asking for what the head has is fine, and without num_stages the head's own n is used
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "h"), draft_layers=1, anchors=(0, 3, 6))
+    assert eng.head.dcfg.num_layers == 1 and eng.boundaries == (0, 3, 6)
 
 
 class _RecordingDrafter:

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-id", type=int, action="append", default=[], help="an extra stop token id (repeatable)")
     p.add_argument("--model", help="HF checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="draft head directory or 'random' (default: the shipped head, else random)")
-    p.add_argument("--draft-layers", type=int, default=1, help="decoder layers of a random head (default 1)")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="decoder layers of a random head (default 1); a trained head brings its own")
     p.add_argument("--draft-vocab-size", type=int, default=0, help="draft vocabulary of a random head "
                    "(default: the full vocabulary)")
     p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")

@@ -43,7 +43,7 @@ def _describe_rank(path: str, dtype: torch.dtype, max_len: int, requested_n: int
 
 
 def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boundaries, anchors, draft,
-                   draft_layers: int, draft_vocab_size: int) -> dict[str, Any]:
+                   draft_layers: int | None, draft_vocab_size: int) -> dict[str, Any]:
     """Rank 0 picks the draft head (which may fix the stage split) and the anchors."""
     from ..api import shipped_head  # the api imports this package lazily; no cycle at import time
 
@@ -60,7 +60,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         else:
             draft, source = str(found), f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(cfg, b, anchors, draft_layers, draft_vocab_size, fingerprint=fp)
+        dcfg = DraftConfig.make(cfg, b, anchors, 1 if draft_layers is None else draft_layers, draft_vocab_size, fingerprint=fp)
         source = "random"
     else:
         cfile = Path(draft) / "draft_config.json"
@@ -68,6 +68,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
             raise SpdConfigError(f"{draft} is not a draft head checkpoint (expected draft_config.json in it)")
         dcfg = DraftConfig.from_json(cfile.read_text())
         dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None else None)
+        dcfg.check_requested(anchors, draft_layers)
     return {"boundaries": tuple(dcfg.boundaries), "anchors": tuple(dcfg.anchors), "draft": str(draft),
             "draft_source": source, "fingerprint": fp, "dcfg": dcfg.to_json()}
 
@@ -138,7 +139,7 @@ class DistributedEngine:
 
 def load_distributed(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
                      num_stages: int | None = None, boundaries: Sequence[int] | None = None,
-                     anchors: Sequence[int] | None = None, draft_layers: int = 1, dtype: str | torch.dtype = "float32",
+                     anchors: Sequence[int] | None = None, draft_layers: int | None = None, dtype: str | torch.dtype = "float32",
                      device: str = "cpu", max_len: int = 2048, seed: int = 0, progress: bool = True,
                      timeout: float = 30.0, startup_timeout: float = 60.0,
                      draft_vocab_size: int = 0) -> DistributedEngine:
