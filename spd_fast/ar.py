@@ -42,6 +42,21 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int,
                                  f"(integers 0..{vocab_size - 1}); {fix}")
 
 
+def check_eos_ids(eos_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """Extra stop tokens must be token ids of the model (one it can never produce would silently never stop)."""
+    out = []
+    for t in eos_ids:
+        try:
+            v = operator.index(t)
+        except TypeError:
+            v = -1
+        if isinstance(t, bool) or not 0 <= v < vocab_size:
+            raise SpdConfigError(f"eos id {t!r} is not a token id of this model (integers 0..{vocab_size - 1}); "
+                                 "pass stop token ids from this model's tokenizer")
+        out.append(v)
+    return tuple(out)
+
+
 def check_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, extra: int = 0) -> None:
     check_max_new_tokens(max_new_tokens)
     need = prompt_len + max_new_tokens + extra

@@ -292,3 +292,43 @@ def test_trained_head_refuses_other_anchors_or_depth(tiny_checkpoint, tmp_path):
         plan(anchors=(0, 2))
     with pytest.raises(DraftMismatchError, match=r"has 2 decoder layers, not draft_layers=1; omit draft_layers"):
         plan(draft_layers=1)
+
+
+def test_bad_request_is_refused_before_any_is_sent(tmp_path, tiny_checkpoint):
+    """Every request is checked on rank 0 before the first one runs: a bad eos id (or prompt id, or
+    max_new_tokens) in the second request stops rank 0 with the message and releases the other rank."""
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps([{"prompt_ids": [1, 2, 3], "max_new_tokens": 4},
+                               {"prompt_ids": [1, 2], "max_new_tokens": 4, "eos_ids": [10 ** 6]}]))
+    job = Job(tmp_path, 2, ["--model", tiny_checkpoint("llama"), "--draft", "random", "--threads", "1",
+                            "--max-len", "64", "--requests", str(req)])
+    job.wait(120)
+    assert job.procs[0].returncode == 2, job.stderr(0)[-2000:]
+    assert "eos id 1000000 is not a token id of this model" in job.stderr(0), job.stderr(0)[-2000:]
+    assert job.procs[1].returncode == 0, job.stderr(1)[-2000:]
+
+
+def test_requests_file_errors(tmp_path):
+    from types import SimpleNamespace
+
+    from spd_fast.config import SpdConfigError
+    from spd_fast.distributed.__main__ import _requests, build_parser
+
+    target = SimpleNamespace(eos_ids=(2,), encode=lambda p: [1, 2])
+
+    def reqs(content):
+        (tmp_path / "r.json").write_text(content)
+        return _requests(build_parser().parse_args(["--requests", str(tmp_path / "r.json")]), target)
+
+    with pytest.raises(SpdConfigError, match="cannot read --requests .*missing.json"):
+        _requests(build_parser().parse_args(["--requests", str(tmp_path / "missing.json")]), target)
+    with pytest.raises(SpdConfigError, match="cannot read --requests"):
+        reqs("[{")
+    with pytest.raises(SpdConfigError, match="must hold a JSON list of objects"):
+        reqs('{"prompt": "Hi"}')
+    with pytest.raises(SpdConfigError, match="request 0: prompt_ids and eos_ids must be lists of token ids"):
+        reqs('[{"prompt_ids": 5}]')
+    with pytest.raises(SpdConfigError, match="request 1: prompt_ids and eos_ids must be lists"):
+        reqs('[{"prompt": "Hi"}, {"prompt": "Hi", "eos_ids": 7}]')
+    (r,) = reqs('[{"prompt": "Hi", "eos_ids": [7], "max_new_tokens": 5}]')
+    assert r.prompt_ids == (1, 2) and r.eos_ids == (2, 7) and r.max_new_tokens == 5

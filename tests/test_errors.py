@@ -249,3 +249,13 @@ def test_cuda_device_without_gpu():
         pytest.skip("this machine has a GPU: the CPU-only error cannot occur")
     with pytest.raises(SpdConfigError, match="needs CUDA"):
         spd_fast.load(device="cuda")
+
+
+def test_eos_ids_must_be_token_ids():
+    from spd_fast.ar import check_eos_ids
+
+    assert check_eos_ids([0, 7, 99], 100) == (0, 7, 99) and check_eos_ids([], 100) == ()
+    for bad in (-1, 100, "3", True, 2.0):
+        with pytest.raises(SpdConfigError, match=rf"eos id {bad!r} is not a token id of this model \(integers "
+                                                 r"0\.\.99\); pass stop token ids"):
+            check_eos_ids([5, bad], 100)

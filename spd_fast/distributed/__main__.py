@@ -56,8 +56,14 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
     from .engine import Request
 
     if args.requests:
-        with open(args.requests) as f:
-            items = json.load(f)
+        try:
+            with open(args.requests) as f:
+                items = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SpdConfigError(f"cannot read --requests {args.requests}: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(it, dict) for it in items):
+            raise SpdConfigError(f"--requests {args.requests} must hold a JSON list of objects, e.g. "
+                                 '[{"prompt": "Hi", "max_new_tokens": 32}]')
     else:
         if args.prompt is not None and (args.user or args.system):
             raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
@@ -74,9 +80,12 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
         ids = it["prompt_ids"] if "prompt_ids" in it else target.encode(it["prompt"])
         params = SamplingParams(it.get("temperature", args.temperature), it.get("top_k", args.top_k),
                                 it.get("top_p", args.top_p), it.get("seed", args.seed))
-        eos = tuple(target.eos_ids) + tuple(it.get("eos_ids", args.eos_id))
-        reqs.append(Request(tuple(int(i) for i in ids), int(it.get("max_new_tokens", args.max_new_tokens)),
-                            params, eos))
+        extra_eos = it.get("eos_ids", args.eos_id)
+        if not isinstance(ids, list) or not isinstance(extra_eos, list):
+            raise SpdConfigError(f"request {len(reqs)}: prompt_ids and eos_ids must be lists of token ids")
+        # ids, eos ids and max_new_tokens are checked (not coerced) with every request in run_requests
+        reqs.append(Request(tuple(ids), it.get("max_new_tokens", args.max_new_tokens), params,
+                            tuple(target.eos_ids) + tuple(extra_eos)))
     return reqs
 
 

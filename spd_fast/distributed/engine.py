@@ -103,7 +103,7 @@ class DistributedEngine:
                 raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
             params = SamplingParams(temperature, top_k, top_p, seed)
             prompts, single = _as_batch(prompt)
-            eos = tuple(self.target.eos_ids) + tuple(int(e) for e in eos_ids)
+            eos = tuple(self.target.eos_ids) + tuple(eos_ids)
             reqs = [Request(tuple(self.target.encode(p)), max_new_tokens, params, eos) for p in prompts]
         except Exception:
             self.driver.end_call()  # type: ignore[union-attr]
@@ -114,14 +114,18 @@ class DistributedEngine:
     def run_requests(self, reqs: Sequence[Request]) -> Any:
         """Token-id requests (call on every rank; rank 0's list is the one that counts)."""
         from ..api import GenerationOutput
-        from ..ar import check_capacity
+        from ..ar import check_capacity, check_eos_ids, check_max_new_tokens, check_prompt_ids
 
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
         drv = self.driver
-        try:
+        vocab = self.target.cfg.vocab_size
+        try:  # every request is checked before the first is sent, so a bad one cannot strand the others
             for r in reqs:
+                check_prompt_ids(r.prompt_ids, vocab)
+                check_max_new_tokens(r.max_new_tokens)
+                check_eos_ids(r.eos_ids, vocab)
                 check_capacity(drv.model, len(r.prompt_ids), r.max_new_tokens, extra=self.num_stages + 1)
         except Exception:
             drv.end_call()
