@@ -1,6 +1,7 @@
 """PDM checkpoints and training: mask vs brute force, loss goes down, resume, n mismatch."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,14 @@ def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoin
     assert torch.equal(warm.draft_vocab, first.draft_vocab)
     for (k, v), (_, v2) in zip(first.state_dict().items(), warm.state_dict().items()):
         torch.testing.assert_close(v.to(v2.dtype), v2, atol=1e-2, rtol=1e-2, msg=k)  # saved in bf16
+    # with held-out data, a warm start is scored at step 0 too, so best_head is never worse than init
+    logs: list[str] = []
+    train(FakeTarget(m), other, tmp_path / "v", num_stages=3, draft_vocab_size=50, cfg=zero, log=logs.append,
+          feature_cache=False, init=tmp_path / "a" / "head", val_samples=data[:4])
+    (v0,) = [json.loads(x) for x in logs if x.startswith("{") and "val_top1" in x]
+    ref = PdmTrainer(m, warm, zero).validate(data[:4])
+    assert v0["step"] == 0 and v0["best"] and v0["val_top1"] == pytest.approx(ref["val_top1"], abs=1e-4)
+    assert json.loads((tmp_path / "v" / "best_head" / "val.json").read_text())["step"] == 0
     with pytest.raises(SpdConfigError, match="cannot warm-start.*draft_vocab_size: 50 vs 40.*--draft-vocab"):
         train(FakeTarget(m), other, tmp_path / "c", num_stages=3, draft_vocab_size=40, cfg=zero,
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")

@@ -341,7 +341,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     cheaper than starting over.
 
     `val_samples` (held-out data) are scored at every checkpoint (KL and top-1 agreement at full
-    fill); the head with the best top-1 so far is also kept in out_dir/best_head."""
+    fill), and at step 0 of a warm start; the head with the best top-1 so far is also kept in
+    out_dir/best_head, so a fine-tune that never beats its `init` leaves that head there."""
     from ..config import uniform_boundaries
 
     torch.manual_seed(cfg.seed)
@@ -372,6 +373,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
                                                         "samples": len(samples)}, indent=2))
+    if val_samples and init is not None and trainer.step == 0:
+        _validate(trainer, val_samples, out, log)  # the warm-start head: the score the fine-tune must beat
     epoch, done_in_epoch = 0, 0
     per_epoch = len(pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
     epoch, done_in_epoch = divmod(trainer.step, per_epoch)
