@@ -182,6 +182,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise SpdConfigError(f"{name} must be an integer, got {value!r}")
+    if num_stages is None and boundaries is None and draft not in (None, "random") and placement != "distributed":
+        cfile = Path(draft) / "draft_config.json"
+        if cfile.is_file():  # a trained head brings its own n (a missing or bad file is reported below)
+            num_stages = DraftConfig.from_json(cfile.read_text()).num_stages
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 
@@ -195,7 +199,6 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
-    n_given = num_stages is not None or boundaries is not None
     if boundaries is not None:
         b = validate_boundaries(boundaries, L)
         if num_stages is not None and num_stages != len(b) - 1:
@@ -224,7 +227,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head.requires_grad_(False)
         source = "random"
     else:
-        head = load_draft(draft, net, target.fingerprint, num_stages if n_given else None,
+        head = load_draft(draft, net, target.fingerprint, num_stages,
                           b if boundaries is not None else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
         b = head.dcfg.boundaries
