@@ -403,3 +403,14 @@ def test_magpie_resume_cuts_an_interrupted_round(tmp_path, capsys):
     assert magpie.finished_rounds(f) == {0, 1}
     assert "cut an interrupted write (round 2)" in capsys.readouterr().out
     assert [json.loads(line)["round"] for line in f.read_text().splitlines()] == [0, 0, 1, 1]
+
+
+def test_bf16_warning_on_cpus_without_native_bf16():
+    from spd_fast.train.__main__ import bf16_cpu_warning
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert "no AVX512-BF16 or AMX" in bf16_cpu_warning(avx2) and "drop --bf16" in bf16_cpu_warning(avx2)
+    assert bf16_cpu_warning("flags\t\t: avx2 avx512f avx512_bf16\n") is None
+    assert bf16_cpu_warning("flags\t\t: avx2 amx_tile amx_bf16\n") is None
+    assert bf16_cpu_warning("Features\t: fp asimd sve bf16 i8mm\n") is None
+    assert bf16_cpu_warning("model name\t: something without a flags line\n") is None  # cannot tell: no warning
