@@ -13,7 +13,7 @@ from .ar import ArDecoder, check_max_new_tokens
 from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, DraftMismatchError, init_from_target, load_draft
+from .pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
@@ -222,7 +222,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         else:
             draft, source = found, f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(net.cfg, b, anchors, 1 if draft_layers is None else draft_layers, fingerprint=target.fingerprint)
+        dcfg = DraftConfig.make(net.cfg, b, anchors, 1 if draft_layers is None else draft_layers,
+                                fingerprint=target.fingerprint)
         head = init_from_target(DraftHead(dcfg, net.cfg, net.norm), net, seed).to(net.dtype).eval()
         head.requires_grad_(False)
         source = "random"

@@ -328,6 +328,8 @@ def test_requests_file_errors(tmp_path):
         reqs('{"prompt": "Hi"}')
     with pytest.raises(SpdConfigError, match="request 0: prompt_ids and eos_ids must be lists of token ids"):
         reqs('[{"prompt_ids": 5}]')
+    with pytest.raises(SpdConfigError, match="request 0 has neither 'prompt' nor 'prompt_ids'"):
+        reqs('[{"max_new_tokens": 5}]')
     with pytest.raises(SpdConfigError, match="request 1: prompt_ids and eos_ids must be lists"):
         reqs('[{"prompt": "Hi"}, {"prompt": "Hi", "eos_ids": 7}]')
     (r,) = reqs('[{"prompt": "Hi", "eos_ids": [7], "max_new_tokens": 5}]')

@@ -77,6 +77,8 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
         items = [{"prompt": prompt}]
     reqs = []
     for it in items:
+        if "prompt_ids" not in it and "prompt" not in it:
+            raise SpdConfigError(f"request {len(reqs)} has neither 'prompt' nor 'prompt_ids'")
         ids = it["prompt_ids"] if "prompt_ids" in it else target.encode(it["prompt"])
         params = SamplingParams(it.get("temperature", args.temperature), it.get("top_k", args.top_k),
                                 it.get("top_p", args.top_p), it.get("seed", args.seed))

@@ -60,7 +60,8 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         else:
             draft, source = str(found), f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(cfg, b, anchors, 1 if draft_layers is None else draft_layers, draft_vocab_size, fingerprint=fp)
+        dcfg = DraftConfig.make(cfg, b, anchors, 1 if draft_layers is None else draft_layers, draft_vocab_size,
+                                fingerprint=fp)
         source = "random"
     else:
         cfile = Path(draft) / "draft_config.json"
@@ -143,7 +144,8 @@ class DistributedEngine:
 
 def load_distributed(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
                      num_stages: int | None = None, boundaries: Sequence[int] | None = None,
-                     anchors: Sequence[int] | None = None, draft_layers: int | None = None, dtype: str | torch.dtype = "float32",
+                     anchors: Sequence[int] | None = None, draft_layers: int | None = None,
+                     dtype: str | torch.dtype = "float32",
                      device: str = "cpu", max_len: int = 2048, seed: int = 0, progress: bool = True,
                      timeout: float = 30.0, startup_timeout: float = 60.0,
                      draft_vocab_size: int = 0) -> DistributedEngine:

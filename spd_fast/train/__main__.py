@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--fill-aug", type=float, default=0.5)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on CPUs with AMX/AVX512-BF16 and GPUs; emulated and slower than fp32 on other CPUs, which get a warning)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16; "
+                   "emulated and slower than fp32 on other CPUs, which get a warning)")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
