@@ -178,9 +178,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if draft is not None and (not isinstance(draft, (str, os.PathLike)) or not str(draft).strip()):
         raise SpdConfigError(f"draft must be a head directory, 'random', or None (the shipped head), got {draft!r}")
     for name, value in (("draft_layers", draft_layers), ("seed", seed)):
-        if name == "draft_layers" and value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
+        if (value is not None or name == "seed") and (not isinstance(value, int) or isinstance(value, bool)):
             raise SpdConfigError(f"{name} must be an integer, got {value!r}")
     if num_stages is None and boundaries is None and draft not in (None, "random") and placement != "distributed":
         cfile = Path(draft) / "draft_config.json"
@@ -222,8 +220,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         else:
             draft, source = found, f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(net.cfg, b, anchors, 1 if draft_layers is None else draft_layers,
-                                fingerprint=target.fingerprint)
+        dcfg = DraftConfig.make(net.cfg, b, anchors, draft_layers, fingerprint=target.fingerprint)
         head = init_from_target(DraftHead(dcfg, net.cfg, net.norm), net, seed).to(net.dtype).eval()
         head.requires_grad_(False)
         source = "random"

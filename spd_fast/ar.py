@@ -44,6 +44,8 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int,
 
 def check_eos_ids(eos_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     """Extra stop tokens must be token ids of the model (one it can never produce would silently never stop)."""
+    if not isinstance(eos_ids, (list, tuple)):
+        raise SpdConfigError(f"eos_ids must be a list of token ids, got {eos_ids!r}")
     out = []
     for t in eos_ids:
         try:

@@ -42,7 +42,9 @@ class DraftConfig:
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,
-             num_layers: int = 1, draft_vocab_size: int = 0, fingerprint: str = "") -> "DraftConfig":
+             num_layers: int | None = 1, draft_vocab_size: int = 0, fingerprint: str = "") -> "DraftConfig":
+        """A new head's shape; num_layers None means 1 (a trained head's is in its draft_config.json)."""
+        num_layers = 1 if num_layers is None else num_layers
         L = target_cfg.num_layers
         b = validate_boundaries(boundaries, L)
         a = tuple(b) if anchors is None else tuple(int(x) for x in anchors)

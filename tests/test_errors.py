@@ -259,3 +259,5 @@ def test_eos_ids_must_be_token_ids():
         with pytest.raises(SpdConfigError, match=rf"eos id {bad!r} is not a token id of this model \(integers "
                                                  r"0\.\.99\); pass stop token ids"):
             check_eos_ids([5, bad], 100)
+    with pytest.raises(SpdConfigError, match="eos_ids must be a list of token ids, got 5"):
+        check_eos_ids(5, 100)

@@ -409,7 +409,7 @@ def test_bf16_warning_on_cpus_without_native_bf16():
     from spd_fast.train.__main__ import bf16_cpu_warning
 
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
-    assert "no AVX512-BF16 or AMX" in bf16_cpu_warning(avx2) and "drop --bf16" in bf16_cpu_warning(avx2)
+    assert "no AVX512-BF16, AMX or Arm bf16" in bf16_cpu_warning(avx2) and "drop --bf16" in bf16_cpu_warning(avx2)
     assert bf16_cpu_warning("flags\t\t: avx2 avx512f avx512_bf16\n") is None
     assert bf16_cpu_warning("flags\t\t: avx2 amx_tile amx_bf16\n") is None
     assert bf16_cpu_warning("Features\t: fp asimd sve bf16 i8mm\n") is None

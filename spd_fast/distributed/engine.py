@@ -60,8 +60,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         else:
             draft, source = str(found), f"shipped:{found.name}"
     if draft == "random":
-        dcfg = DraftConfig.make(cfg, b, anchors, 1 if draft_layers is None else draft_layers, draft_vocab_size,
-                                fingerprint=fp)
+        dcfg = DraftConfig.make(cfg, b, anchors, draft_layers, draft_vocab_size, fingerprint=fp)
         source = "random"
     else:
         cfile = Path(draft) / "draft_config.json"
@@ -98,13 +97,14 @@ class DistributedEngine:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
         from ..api import _as_batch
+        from ..ar import check_eos_ids
 
         try:  # validate everything before the first message, so a bad input cannot strand the others
             if method != "spd":
                 raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
             params = SamplingParams(temperature, top_k, top_p, seed)
             prompts, single = _as_batch(prompt)
-            eos = tuple(self.target.eos_ids) + tuple(eos_ids)
+            eos = tuple(self.target.eos_ids) + check_eos_ids(eos_ids, self.target.cfg.vocab_size)
             reqs = [Request(tuple(self.target.encode(p)), max_new_tokens, params, eos) for p in prompts]
         except Exception:
             self.driver.end_call()  # type: ignore[union-attr]
