@@ -16,6 +16,7 @@
 //         element j+16 = high nibble), d fp32 [N, K/32], m fp32 [N, K/32]
 //   q8_0: qs int8 [N, K], d fp32 [N, K/32]
 // x: fp32 [M, K] contiguous, M <= 16. Output: fp32 [M, N].
+// Kernels: AVX-512, else AVX2 + FMA, else portable C++ (chosen at compile time, -march=native).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,7 +26,7 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -102,6 +103,97 @@ auto q8_0_dequant(const int8_t* qp, const float* dp, int64_t K) {
     const int8_t* q = qp + n * K + b * kBlock;
     w0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
     w1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+  };
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA: a block of 32 is four 8-float quarters, and every (output row, x row) pair keeps one
+// accumulator per quarter. Row n's result is hsum((q0 + q1) + (q2 + q3)) over the blocks in order,
+// whatever R (output rows per call) and MM (x rows per call) are, so it does not depend on M.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Output rows n..n+R-1 against x rows 0..MM-1 (xp and yp already point at the first x / y row).
+template <int R, int MM, typename Dequant>
+inline void dot_rows(const float* xp, int64_t K, int64_t n, int64_t N, float* yp, Dequant deq) {
+  const int64_t NB = K / kBlock;
+  __m256 acc[R][MM][4];
+  for (int i = 0; i < R; ++i)
+    for (int r = 0; r < MM; ++r)
+      for (int q = 0; q < 4; ++q) acc[i][r][q] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    for (int i = 0; i < R; ++i) {
+      __m256 w[4];
+      deq(n + i, b, w);
+      for (int r = 0; r < MM; ++r) {
+        const float* xr = xp + r * K + b * kBlock;
+        for (int q = 0; q < 4; ++q) acc[i][r][q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + 8 * q), acc[i][r][q]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int r = 0; r < MM; ++r)
+      yp[r * N + n + i] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[i][r][0], acc[i][r][1]),
+                                              _mm256_add_ps(acc[i][r][2], acc[i][r][3])));
+}
+
+// One output row against x rows r0..r0+rows-1, at most 4 x rows per pass (register budget).
+template <typename Dequant>
+inline void dot_row_all_x(const float* xp, int64_t M, int64_t K, int64_t n, int64_t N, float* yp, Dequant deq) {
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const float* xr = xp + r0 * K;
+    float* yr = yp + r0 * N;
+    switch (std::min<int64_t>(M - r0, 4)) {
+      case 4: dot_rows<1, 4>(xr, K, n, N, yr, deq); break;
+      case 3: dot_rows<1, 3>(xr, K, n, N, yr, deq); break;
+      case 2: dot_rows<1, 2>(xr, K, n, N, yr, deq); break;
+      default: dot_rows<1, 1>(xr, K, n, N, yr, deq); break;
+    }
+  }
+}
+
+// Output rows in pairs over the thread pool; one x row (decode) takes both output rows in one pass.
+template <typename Dequant>
+void dot_all_rows(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, Dequant deq) {
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = 2 * p;
+      if (M == 1 && n + 1 < N) {
+        dot_rows<2, 1>(xp, K, n, N, yp, deq);
+        continue;
+      }
+      for (int64_t i = n; i < std::min(n + 2, N); ++i) dot_row_all_x(xp, M, K, i, N, yp, deq);
+    }
+  });
+}
+
+auto q4_1_dequant(const uint8_t* qp, const float* dp, const float* mp, int64_t K) {
+  const int64_t NB = K / kBlock;
+  return [=](int64_t n, int64_t b, __m256* w) {
+    // d*q is exact in fp32, so the fused d*q + m equals the loader's d*q then + m
+    const __m256 vd = _mm256_set1_ps(dp[n * NB + b]), vm = _mm256_set1_ps(mp[n * NB + b]);
+    const uint8_t* q = qp + n * (K / 2) + b * 16;
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));      // bytes 0-7
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));  // bytes 8-15
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(a, low)), vm);  // elements 0-7
+    w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(c, low)), vm);  // 8-15
+    w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), vm);   // 16-23 (high nibbles)
+    w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), vm);   // 24-31
+  };
+}
+
+auto q8_0_dequant(const int8_t* qp, const float* dp, int64_t K) {
+  const int64_t NB = K / kBlock;
+  return [=](int64_t n, int64_t b, __m256* w) {
+    const __m256 vd = _mm256_set1_ps(dp[n * NB + b]);
+    const int8_t* q = qp + n * K + b * kBlock;
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j)))));
   };
 }
 #else
