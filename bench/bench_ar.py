@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import statistics
 import os
@@ -88,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                              capture_output=True, text=True, check=True, env={**os.environ, "SPD_FAST_PACKED": packed})
         res[key] = json.loads(out.stdout.strip().splitlines()[-1])
     speedup = res["hf"]["ms_per_token_median"] / res["ours"]["ms_per_token_median"]
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    from spd_fast.runtime import cpu_name
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": a.threads, "dtype": a.dtype, "new_tokens": a.new_tokens, "repeats": a.repeats}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": res, "speedup": speedup}, indent=2))

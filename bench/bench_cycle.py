@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -62,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                "equivalent_accept_length": n * tpc}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    from spd_fast.runtime import cpu_name
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": a.threads, "new_tokens": a.new_tokens}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from spd_fast import cpp_ops, kernels, ops, ops_explicit
+from spd_fast.runtime import cpu_name
 from spd_fast.sampling import SamplingParams
 
 # H hidden, m anchor types (n + 1), V vocabulary, Vd draft vocabulary
@@ -145,7 +146,7 @@ def run_cpu(out: Path) -> None:
             print(f"| {label:32s} | {name:13s} | {row['dtype']:8s} | {t_twin:10.1f} | {t_cpp:10.1f} | {row['speedup']:6.2f}x |",
                   flush=True)
     meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__, machine=platform.machine(),
-                processor=platform.processor() or platform.machine(), note="median wall time per call, microseconds")
+                processor=cpu_name(), note="median wall time per call, microseconds")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

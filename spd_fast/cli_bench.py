@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -103,7 +102,8 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
         del eng
     import torch
 
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+    from .runtime import cpu_name
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
             "dtype": args.dtype, "prompts": len(prompts), "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,

@@ -114,6 +114,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     import spd_fast
+    from .runtime import cpu_name
 
     cuda = torch.cuda.is_available()
     gpus = []
@@ -126,7 +127,8 @@ def collect() -> dict[str, Any]:
         "versions": {"spd_fast": spd_fast.__version__, "python": platform.python_version(),
                      "torch": torch.__version__, "transformers": _version("transformers"),
                      "triton": _version("triton"), "cuda": torch.version.cuda},
-        "platform": {"machine": platform.machine(), "processor": platform.processor(), "os": platform.platform(),
+        "platform": {"machine": platform.machine(), "processor": platform.processor(), "cpu": cpu_name(),
+                     "os": platform.platform(),
                      "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "device": "cuda" if cuda else "cpu",
         "gpus": gpus,
@@ -141,7 +143,7 @@ def _print_text(d: dict[str, Any]) -> None:
     print(f"{'versions:':16}" + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v if k != "cuda")
           + (f", CUDA {v['cuda']}" if v["cuda"] else ""))
     pl = d["platform"]
-    print(f"{'platform:':16}{pl['os']}, {pl['cpu_count']} CPUs, torch threads {pl['torch_threads']}")
+    print(f"{'platform:':16}{pl['os']}, {pl['cpu']}, {pl['cpu_count']} CPUs, torch threads {pl['torch_threads']}")
     print(f"{'device:':16}{d['device']}" + ("" if d["gpus"] else " (no CUDA GPU visible to torch)"))
     for g in d["gpus"]:
         print(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm {g['capability']}")

@@ -7,7 +7,6 @@ of the same model measured in the same run. Used by `spd-fast eval` and bench/ev
 from __future__ import annotations
 
 import json
-import platform
 import time
 import warnings
 from pathlib import Path
@@ -102,7 +101,8 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                 if on_row is not None:
                     on_row(row)
         del eng
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    from .runtime import cpu_name
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
             "limit": limit, "categories": list(categories)}

@@ -77,6 +77,23 @@ class Target:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """This CPU for benchmark records: its model name and the SIMD level the C++ decode ops compile
+    for here (-march=native: "avx512", "avx2" (with FMA) or "portable"), e.g. "AMD EPYC [avx2]"."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    lines = cpuinfo.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    flags = {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split()}
+    simd = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    return f"{name or platform.processor() or platform.machine()} [{simd}]"
+
+
 def weights_fingerprint(model: Transformer) -> str:
     """A cheap identity of the weights: hash of a few strided slices of tensors at both ends,
     rounded to bf16 so the same checkpoint loaded in fp32 or bf16 has the same fingerprint."""

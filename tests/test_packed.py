@@ -202,3 +202,12 @@ def test_packed_draft_can_be_turned_off_and_needs_a_packed_target(monkeypatch, d
     dcfg = DraftConfig.make(tiny.cfg, (0, tiny.cfg.num_layers // 2, tiny.cfg.num_layers))
     small = init_from_target(DraftHead(dcfg, tiny.cfg, tiny.norm), tiny).eval()
     assert packed.pack_draft(small, tiny) is False and small.lm_head.packed is None
+
+
+def test_cpu_name_names_the_simd_level_the_decode_ops_compile_for():
+    from spd_fast.runtime import cpu_name
+
+    assert cpu_name("model name\t: AMD EPYC\nflags\t\t: sse2 avx avx2 fma\n") == "AMD EPYC [avx2]"
+    assert cpu_name("model name\t: Xeon\nflags\t\t: avx2 fma avx512f avx512bw\n") == "Xeon [avx512]"
+    assert cpu_name("model name\t: Old\nflags\t\t: sse2 avx avx2\n") == "Old [portable]"  # AVX2 without FMA
+    assert cpu_name("Features\t: fp asimd\n").endswith("[portable]")  # Arm: no model name line
