@@ -140,7 +140,7 @@ inline void dot_rows(const float* xp, int64_t K, int64_t n, int64_t N, float* yp
                                               _mm256_add_ps(acc[i][r][2], acc[i][r][3])));
 }
 
-// One output row against x rows r0..r0+rows-1, at most 4 x rows per pass (register budget).
+// One output row against all M x rows, at most 4 x rows per pass (register budget).
 template <typename Dequant>
 inline void dot_row_all_x(const float* xp, int64_t M, int64_t K, int64_t n, int64_t N, float* yp, Dequant deq) {
   for (int64_t r0 = 0; r0 < M; r0 += 4) {

@@ -77,11 +77,9 @@ class Target:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def cpu_name(cpuinfo: str | None = None) -> str:
-    """This CPU for benchmark records: its model name and the SIMD level the C++ decode ops compile
-    for here (-march=native: "avx512", "avx2" (with FMA) or "portable"), e.g. "AMD EPYC [avx2]"."""
-    import platform
-
+def cpu_info(cpuinfo: str | None = None) -> tuple[str, set[str]]:
+    """(model name, feature flags) from /proc/cpuinfo (or the given text); ("", set()) when it cannot tell.
+    x86 lists its flags under "flags", Arm under "Features"."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -89,7 +87,15 @@ def cpu_name(cpuinfo: str | None = None) -> str:
             cpuinfo = ""
     lines = cpuinfo.splitlines()
     name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
-    flags = {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split()}
+    return name, {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split()}
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """This CPU for benchmark records: its model name and the SIMD level the C++ decode ops compile
+    for here (-march=native: "avx512", "avx2" (with FMA) or "portable"), e.g. "AMD EPYC [avx2]"."""
+    import platform
+
+    name, flags = cpu_info(cpuinfo)
     simd = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
     return f"{name or platform.processor() or platform.machine()} [{simd}]"
 

@@ -75,12 +75,9 @@ def bf16_cpu_warning(cpuinfo: str | None = None) -> str | None:
     """A warning when this CPU has no native bf16 matmul (AVX512-BF16, AMX or Arm bf16): there, bf16 autocast is
     emulated and slower than fp32 (measured 4.5x on an AVX2 EPYC for the teacher's 4096 x 576 x 1536
     GEMM). None when it has one, or when /proc/cpuinfo cannot tell."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    flags = {f for line in cpuinfo.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    from ..runtime import cpu_info
+
+    _, flags = cpu_info(cpuinfo)
     if not flags or flags & {"avx512_bf16", "amx_bf16", "bf16"}:  # bf16: Arm (BFMMLA)
         return None
     return ("--bf16 on this CPU (no AVX512-BF16, AMX or Arm bf16) is emulated and several times slower than fp32 "
