@@ -38,6 +38,9 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
                    help=f"comma-separated subset of {','.join(CATEGORIES)}")
     e.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
+    e.add_argument("--seed", type=int, default=0,
+                   help="prompt i samples with seed SEED+i (default: 0); compare heads at temperature > 0 over "
+                        "a few seeds")
     add_model_options(e)
     e.add_argument("--out", help="write <out>.json and <out>.md (e.g. bench/results/acceptance)")
     e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
@@ -169,7 +172,7 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     apply_runtime_options(args)
     res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
                               cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
-                              device=args.device, progress=not args.json)
+                              device=args.device, progress=not args.json, seed=args.seed)
     if args.out:
         js, md = write_results(res, args.out)
         if not args.json:

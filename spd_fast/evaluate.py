@@ -60,9 +60,11 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                         limit: int = 40, max_new_tokens: int = 96, draft: str | None = None,
                         categories: Sequence[str] = CATEGORIES, with_ar: bool = True, model: str | None = None,
                         dtype: str = "float32", device: str = "cpu", progress: bool = True,
-                        on_row: Any = None) -> dict[str, Any]:
+                        on_row: Any = None, seed: int = 0) -> dict[str, Any]:
     """Run the evaluation; return {"meta": {...}, "rows": [...]} (one row per n, temperature, category
     and an "overall" row). The AR baseline runs only for the first n (AR does not depend on n).
+    Prompt i of a category samples with seed `seed + i` (SPD and AR alike); at temperature > 0 a
+    few seeds tell a real difference between two heads from sampling noise.
     Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
     import spd_fast
 
@@ -83,10 +85,10 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                 acc = dict.fromkeys(_SUMS, 0.0)
                 for i, rec in enumerate(bar(ps, f"eval n={n} T={temp} {cat}", enabled=progress)):
                     msgs = [{"role": "user", "content": rec["prompt"]}]
-                    o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="spd")
+                    o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=seed + i, method="spd")
                     add_spd_metrics(acc, o.metrics)
                     if with_ar and n == num_stages[0]:
-                        r = eng.generate(msgs, max_new_tokens, temperature=temp, seed=i, method="ar")
+                        r = eng.generate(msgs, max_new_tokens, temperature=temp, seed=seed + i, method="ar")
                         if temp == 0 and r.token_ids != o.token_ids:
                             raise RuntimeError(f"greedy SPD output differs from AR on prompt {rec.get('id', i)} "
                                                f"(n={n}); this is a bug, please report it with this prompt")
@@ -105,7 +107,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
-            "limit": limit, "categories": list(categories)}
+            "limit": limit, "categories": list(categories), "seed": seed}
     return {"meta": meta, "rows": rows}
 
 

@@ -42,8 +42,10 @@ class DraftConfig:
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,
-             num_layers: int | None = 1, draft_vocab_size: int = 0, fingerprint: str = "") -> "DraftConfig":
-        """A new head's shape; num_layers None means 1 (a trained head's is in its draft_config.json)."""
+             num_layers: int | None = 1, draft_vocab_size: int = 0, fingerprint: str = "",
+             frozen_lm_head: bool = True) -> "DraftConfig":
+        """A new head's shape; num_layers None means 1 (a trained head's is in its draft_config.json).
+        `frozen_lm_head=False` trains (and stores) the head's own LM-head rows instead of reusing the target's."""
         num_layers = 1 if num_layers is None else num_layers
         L = target_cfg.num_layers
         b = validate_boundaries(boundaries, L)
@@ -55,7 +57,8 @@ class DraftConfig:
         if num_layers < 1:
             raise SpdConfigError(f"the draft head needs at least one decoder layer, got num_layers={num_layers}")
         return DraftConfig(len(b) - 1, b, a, num_layers, draft_vocab_size or target_cfg.vocab_size,
-                           target_cfg.model_type, target_cfg.hidden_size, L, target_cfg.vocab_size, fingerprint)
+                           target_cfg.model_type, target_cfg.hidden_size, L, target_cfg.vocab_size, fingerprint,
+                           bool(frozen_lm_head))
 
     @property
     def num_types(self) -> int:

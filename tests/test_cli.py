@@ -83,6 +83,24 @@ def test_eval_json_and_files(capsys, tmp_path):
     overall = res["rows"][-1]
     assert overall["prompts"] == 3 and "ar_tokens_per_s" in overall and "speedup_vs_ar" in overall
     assert (tmp_path / "acc.json").is_file() and "| overall |" in (tmp_path / "acc.md").read_text()
+    assert res["meta"]["seed"] == 0
+
+
+def test_eval_seed_changes_sampled_runs_only(capsys):
+    def run(*extra):
+        rc, out, err = run_cli(["eval", "--limit", "2", "--max-new-tokens", "16", "--json",  # the shipped head
+                                "--no-ar", "--categories", "chat", *extra], capsys)
+        assert rc == 0, err
+        res = json.loads(out)
+        return res["meta"]["seed"], [(r["temperature"], r["acceptance_rate"], r["tokens_per_cycle"])
+                                     for r in res["rows"]]
+    s0, a = run("--temperatures", "0,1.0")
+    s0b, b = run("--temperatures", "0,1.0")
+    s5, c = run("--temperatures", "0,1.0", "--seed", "5")
+    assert (s0, s0b, s5) == (0, 0, 5)
+    assert a == b  # the same seed reproduces the sampled run exactly
+    assert a[:2] == c[:2]  # greedy rows do not depend on the seed
+    assert a[2:] != c[2:]  # the sampled ones do
 
 
 # ---- info ----------------------------------------------------------------------------------------

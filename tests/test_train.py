@@ -140,6 +140,36 @@ def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoin
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
 
 
+def test_trained_lm_head_is_stored_loaded_and_kept_by_warm_starts(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=6, lr=3e-3, batch_tokens=256, max_seq_len=64, save_every=6, log_every=2, warmup=1)
+    head = train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg,
+                 log=lambda s: None, feature_cache=False, train_lm_head=True)
+    rows = m.lm_head.weight[head.draft_vocab]
+    assert not head.dcfg.frozen_lm_head
+    assert (head.lm_head.weight - rows).abs().max() > 1e-3  # the rows moved away from the target's
+    saved = load_file(str(tmp_path / "a" / "head" / "draft.safetensors"))
+    assert "lm_head.weight" in saved  # a frozen head does not store them (tested by the size below)
+    loaded = load_draft(tmp_path / "a" / "head", m, "tiny", num_stages=3)
+    torch.testing.assert_close(loaded.lm_head.weight, head.lm_head.weight.float(), atol=1e-2, rtol=1e-2)
+    assert (loaded.lm_head.weight - rows).abs().max() > 1e-3  # not rebuilt from the target at load
+    frozen = train(FakeTarget(m), data, tmp_path / "f", num_stages=3, draft_vocab_size=50, cfg=cfg,
+                   log=lambda s: None, feature_cache=False)
+    torch.testing.assert_close(frozen.lm_head.weight, rows)  # the default shares the target's rows
+    assert "lm_head.weight" not in load_file(str(tmp_path / "f" / "head" / "draft.safetensors"))
+    # a warm start keeps the trained rows; warm-starting a frozen head from them is refused
+    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    warm = train(FakeTarget(m), data, tmp_path / "b", num_stages=3, draft_vocab_size=50, cfg=zero,
+                 log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head", train_lm_head=True)
+    torch.testing.assert_close(warm.lm_head.weight, loaded.lm_head.weight)
+    with pytest.raises(SpdConfigError, match="lm_head: trained in the saved head.*--train-lm-head"):
+        train(FakeTarget(m), data, tmp_path / "c", num_stages=3, draft_vocab_size=50, cfg=zero,
+              log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+
+
 def test_warm_start_grows_the_tower_and_drafts_like_the_smaller_head(tiny_checkpoint, tmp_path):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", type=lambda s: [int(x) for x in s.split(",")], help="default: the boundaries")
     p.add_argument("--draft-layers", type=int, default=1, help="L_s, decoder layers of the head")
     p.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size V_d")
+    p.add_argument("--train-lm-head", action="store_true",
+                   help="train the head's own LM-head rows (initialised from the target's) instead of sharing the "
+                        "target's frozen rows: more capacity at no inference cost, V_d x H more weights stored")
     p.add_argument("--data", action="append", default=[],
                    help="training data: 'self-distill' (default) or a .jsonl/.txt/.parquet file; repeatable")
     p.add_argument("--prompts", help="prompt set for self-distillation (default: the project's train.jsonl)")
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
               resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init,
-              val_samples=val)
+              val_samples=val, train_lm_head=a.train_lm_head)
         log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)

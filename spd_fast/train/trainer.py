@@ -311,6 +311,9 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
     a, b = src.dcfg, head.dcfg
     diffs = [f"{k}: {getattr(a, k)} vs {getattr(b, k)}" for k in ("boundaries", "anchors", "draft_vocab_size")
              if getattr(a, k) != getattr(b, k)]
+    if not a.frozen_lm_head and b.frozen_lm_head:
+        diffs.append("lm_head: trained in the saved head, frozen in the requested one (add --train-lm-head, or "
+                     "its trained rows would be replaced by the target's)")
     if a.num_layers > b.num_layers:
         diffs.append(f"num_layers: {a.num_layers} vs {b.num_layers} (a head can be grown, not shrunk)")
     if diffs:
@@ -329,7 +332,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
           boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int = 1,
           draft_vocab_size: int = 16384, cfg: TrainConfig = TrainConfig(), resume: bool = True,
           log=print, feature_cache: bool = True, init: str | Path | None = None,
-          val_samples: Sequence[dict] = ()) -> DraftHead:
+          val_samples: Sequence[dict] = (), train_lm_head: bool = False) -> DraftHead:
     """Train a PDM for `target_obj` (a runtime.Target) on `samples` ({"prompt_ids", "response_ids"}).
 
     With `feature_cache`, the teacher runs once over all samples first and its states are stored
@@ -342,7 +345,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
 
     `val_samples` (held-out data) are scored at every checkpoint (KL and top-1 agreement at full
     fill), and at step 0 of a warm start; the head with the best top-1 so far is also kept in
-    out_dir/best_head, so a fine-tune that never beats its `init` leaves that head there."""
+    out_dir/best_head, so a fine-tune that never beats its `init` leaves that head there.
+
+    `train_lm_head` also trains the head's LM-head rows (initialised from the target's), which adds
+    capacity at no inference cost but stores V_d x H more weights in the checkpoint."""
     from ..config import uniform_boundaries
 
     torch.manual_seed(cfg.seed)
@@ -351,7 +357,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     b = tuple(boundaries) if boundaries is not None else uniform_boundaries(tgt.cfg.num_layers, num_stages)
     vd = min(draft_vocab_size, tgt.cfg.vocab_size)
     dcfg = DraftConfig.make(tgt.cfg, b, tuple(anchors) if anchors is not None else None, draft_layers, vd,
-                            target_obj.fingerprint)
+                            target_obj.fingerprint, frozen_lm_head=not train_lm_head)
     head = init_from_target(DraftHead(dcfg, tgt.cfg, tgt.norm), tgt, cfg.seed)
     if init is not None:
         warm_start(head, init, target_obj)
