@@ -13,7 +13,7 @@ from .ar import ArDecoder, check_max_new_tokens
 from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, init_from_target, load_draft
+from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
 from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
@@ -181,9 +181,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         if (value is not None or name == "seed") and (not isinstance(value, int) or isinstance(value, bool)):
             raise SpdConfigError(f"{name} must be an integer, got {value!r}")
     if num_stages is None and boundaries is None and draft not in (None, "random") and placement != "distributed":
-        cfile = Path(draft) / "draft_config.json"
-        if cfile.is_file():  # a trained head brings its own n (a missing or bad file is reported below)
-            num_stages = DraftConfig.from_json(cfile.read_text()).num_stages
+        num_stages = read_draft_config(draft).num_stages  # a trained head brings its own n
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 

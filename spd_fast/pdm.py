@@ -231,11 +231,8 @@ def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
         head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].to(head.lm_head.weight.dtype))
 
 
-def load_draft(path: str | Path, target, fingerprint: str,
-               num_stages: int | None = None, boundaries: tuple[int, ...] | None = None,
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
-    from safetensors.torch import load_file
-
+def read_draft_config(path: str | Path) -> DraftConfig:
+    """The DraftConfig of a head directory, with a clear error when it is not one."""
     path = Path(path)
     cfg_file, w_file = path / "draft_config.json", path / "draft.safetensors"
     if not path.exists():
@@ -245,9 +242,19 @@ def load_draft(path: str | Path, target, fingerprint: str,
         raise DraftMismatchError(
             f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
     try:
-        dcfg = DraftConfig.from_json(cfg_file.read_text())
-    except (json.JSONDecodeError, TypeError) as e:
-        raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({e})") from e
+        return DraftConfig.from_json(cfg_file.read_text())
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({type(e).__name__}: {e}); "
+                                 "re-save the head or point draft= at another one") from e
+
+
+def load_draft(path: str | Path, target, fingerprint: str,
+               num_stages: int | None = None, boundaries: tuple[int, ...] | None = None,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    dcfg, w_file = read_draft_config(path), path / "draft.safetensors"
     target_cfg = target.cfg
     dcfg.check_compatible(target_cfg, fingerprint, num_stages, boundaries)
     try:

@@ -242,6 +242,16 @@ def test_cpu_device_spellings_and_missing_draft_dir(tiny_checkpoint, tmp_path):
     with pytest.raises(SpdConfigError, match="draft head .*nope does not exist; pass a head directory.*"
                                              "draft='random', or draft=None"):
         spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "nope"), progress=False)
+    # a head directory whose config is not JSON, or lacks a field: a clear error, not a traceback
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "draft.safetensors").write_bytes(b"")
+    for text, what in (("{not json", "JSONDecodeError"), ('{"format_version": 1}', "KeyError")):
+        (bad / "draft_config.json").write_text(text)
+        for kw in ({}, {"num_stages": 3}):  # with and without the n read from the head
+            with pytest.raises(SpdConfigError, match=rf"draft_config.json is not a valid draft head config \({what}"
+                                                     r".*re-save the head or point draft= at another one"):
+                spd_fast.load(model=tiny_checkpoint("llama"), draft=str(bad), progress=False, **kw)
 
 
 def test_cuda_device_without_gpu():
