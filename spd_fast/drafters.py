@@ -1,6 +1,7 @@
 """Drafters: the trained/random PDM, plus two test drafters (oracle and always-wrong)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -9,7 +10,7 @@ from .engine import PipelineState, SPDEngine
 from .model import kv_bound_for
 from .ops import draft_sample
 from .pdm import DraftHead
-from .sampling import SamplingParams
+from .sampling import MIN_TEMPERATURE, SamplingParams
 
 
 class PdmDrafter:
@@ -17,6 +18,18 @@ class PdmDrafter:
 
     def __init__(self, head: DraftHead):
         self.head = head
+        self._scaled: tuple[tuple[SamplingParams, float], SamplingParams] | None = None
+
+    def draft_params(self, params: SamplingParams) -> SamplingParams:
+        """What the head drafts with: the requested temperature times the head's calibrated
+        draft_temperature_scale (verification uses the q this gives, so sampling stays exact)."""
+        scale = self.head.dcfg.draft_temperature_scale
+        if params.greedy or scale == 1.0:
+            return params
+        if self._scaled is None or self._scaled[0] != (params, scale):
+            t = max(params.temperature * scale, MIN_TEMPERATURE)
+            self._scaled = ((params, scale), dataclasses.replace(params, temperature=t))
+        return self._scaled[1]
 
     def prefill(self, engine: SPDEngine, st: PipelineState) -> None:
         head, P = self.head, st.prompt_len
@@ -39,7 +52,8 @@ class PdmDrafter:
         g = head.aggregate(st.anchors[start:p_new + 1], types)
         h = head.tower(g[None], pos[None], kv_bound_for(p_new, head.max_len))
         logits = head.draft_logits(h[0, -1])
-        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, params, generator)
+        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                            generator)
 
 
     def draft_static(self, engine: SPDEngine, cyc, params: SamplingParams,
@@ -50,7 +64,8 @@ class PdmDrafter:
         g = head.aggregate(cyc.pdm_rows, cyc.pdm_types)
         h = head.tower(g[None], cyc.pdm_pos[None], head.max_len)
         logits = head.draft_logits(h[0, -1])
-        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, params, generator)
+        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                            generator)
 
 
 class ReferenceDrafter:

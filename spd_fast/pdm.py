@@ -39,6 +39,9 @@ class DraftConfig:
     base_fingerprint: str = ""
     frozen_lm_head: bool = True    # LM head = the target's rows of the draft vocabulary (not saved)
     format_version: int = FORMAT_VERSION
+    # sampled decoding: the head drafts at temperature T * this (its own calibration, see
+    # train/calibrate.py); q is still the distribution the draft was drawn from, so output stays exact
+    draft_temperature_scale: float = 1.0
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,
@@ -117,6 +120,10 @@ class DraftConfig:
             raise DraftMismatchError(
                 f"draft head format version {d.get('format_version')} is not supported (expected {FORMAT_VERSION})")
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
+        scale = d.get("draft_temperature_scale", 1.0)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0.05 <= scale <= 20:
+            raise DraftMismatchError(f"draft_temperature_scale {scale!r} is out of range: it must be a number in "
+                                     "[0.05, 20] (1 = draft at the requested temperature); fix draft_config.json")
         return DraftConfig(**d)
 
 

@@ -56,7 +56,9 @@ def small_model(tmp_path_factory):
     return _tiny_small_vocab(tmp_path_factory)
 
 
-def _samples(model, method, n_runs, params, positions=(1, 2, 3)):
+def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0):
+    import dataclasses
+
     from test_engine import random_head
 
     b = (0, 2, 4)
@@ -66,6 +68,7 @@ def _samples(model, method, n_runs, params, positions=(1, 2, 3)):
         with torch.no_grad():  # a sharp draft that clearly differs from the target: q != p
             head.lm_head.weight.mul_(4.0).add_(torch.randn(head.lm_head.weight.shape,
                                                            generator=torch.Generator().manual_seed(5)))
+        head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=draft_scale)
         eng = SPDEngine(model, PdmDrafter(head), b)
         eng.total = {"ver": 0, "acc": 0}
     out = {k: torch.zeros(model.cfg.vocab_size) for k in positions}
@@ -98,6 +101,34 @@ def test_spd_sampling_matches_ar_distribution(small_model, params):
     assert 0.05 < rate < 0.95  # the draft really differs from the target, and is sometimes right
     for k in ar:
         assert _same_distribution(ar[k], sp[k]) > P_MIN, k
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.6])
+def test_head_draft_temperature_scale_keeps_sampling_exact(small_model, scale):
+    """A head that drafts at T * scale (its calibration) proposes other tokens, but verification uses
+    the q it drew from, so the output distribution is still the target's at T."""
+    params = SamplingParams(temperature=0.8)
+    ar, _ = _samples(small_model, "ar", 1500, params)
+    sp, eng = _samples(small_model, "spd", 1500, params, draft_scale=scale)
+    rate = eng.total["acc"] / eng.total["ver"]
+    assert 0.05 < rate < 0.95
+    for k in ar:
+        assert _same_distribution(ar[k], sp[k]) > P_MIN, k
+
+
+def test_draft_params_scale_the_temperature_only_when_sampling(small_model):
+    import dataclasses
+
+    from test_engine import random_head
+
+    head = random_head(small_model, (0, 2, 4))
+    d = PdmDrafter(head)
+    p = SamplingParams(temperature=0.7, top_k=5)
+    assert d.draft_params(p) is p  # scale 1: unchanged
+    head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=0.8)
+    assert d.draft_params(p) == SamplingParams(temperature=0.7 * 0.8, top_k=5)
+    greedy = SamplingParams()
+    assert d.draft_params(greedy) is greedy
 
 
 def test_wrong_acceptance_rule_is_detected(small_model, monkeypatch):

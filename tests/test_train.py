@@ -299,19 +299,11 @@ def test_training_forward_equals_inference_drafts(tiny_checkpoint, boundaries, a
 
 
 def _student_logits(tr, ids, lens, fill):
-    """The trainer's type-0 draft logits (the same code path as PdmTrainer.loss)."""
-    from spd_fast.train.trainer import _layer_train
-
-    head, B, T, m = tr.head, ids.shape[0], ids.shape[1], tr.m
+    """The trainer's type-0 draft logits [B, T, V_d] (PdmTrainer.student_logits, which loss() uses)."""
     anchors, _, _ = tr.teacher(ids, lens)
-    g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)
-    pos = torch.arange(T).repeat(m)
-    cos, sin = head.rope_cos_train(pos)
-    mask = structured_mask(T, tr.depth_type, fill)[None, None]
-    x = g
-    for i, layer in enumerate(head.layers):
-        x = _layer_train(layer, x, cos[None], sin[None], mask, T if i == len(head.layers) - 1 else m * T)
-    return head.draft_logits(x)
+    B, T = ids.shape
+    logits, _ = tr.student_logits(anchors, lens, fill, torch.arange(B * T))
+    return logits.reshape(B, T, -1)
 
 
 def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, tmp_path):

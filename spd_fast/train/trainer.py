@@ -97,20 +97,25 @@ class PdmTrainer:
         return c.lr * max(0.0, 1 - (step - c.warmup) / max(1, c.steps - c.warmup))
 
     @torch.no_grad()
-    def teacher(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """-> (anchor states [B, T, H] each, teacher log-probs over V_d [B, T, V_d], target argmax [B, T])."""
+    def teacher_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One target forward -> (anchor states [B, T, H] each in fp32, full-vocabulary logits [B, T, V]
+        in the compute dtype)."""
         tg, B, T = self.target, ids.shape[0], ids.shape[1]
         tg.setup_caches(B, max(tg.max_len, T))
         ar = torch.arange(T)[None].expand(B, T)
         pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, tg.max_len))
         anchors = self.head.dcfg.anchors
         h, rec = tg.run_layers(tg.embed_tokens(ids), pos, 0, tg.cfg.num_layers, kv_bound=T, record=anchors)
+        return [rec[b].float() for b in anchors], tg.lm_head(tg.norm(h))
+
+    @torch.no_grad()
+    def teacher(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """-> (anchor states [B, T, H] each, teacher log-probs over V_d [B, T, V_d], target argmax [B, T])."""
+        anchors, logits = self.teacher_forward(ids, lens)
         # full-vocab logits in the compute dtype (bf16 under autocast): only their argmax is needed,
         # to tell whether the target's choice lies in the draft vocabulary
-        logits = tg.lm_head(tg.norm(h))
         dv = self.head.draft_vocab
-        return ([rec[b].float() for b in anchors], torch.log_softmax(logits[..., dv].float(), -1),
-                logits.argmax(-1))
+        return anchors, torch.log_softmax(logits[..., dv].float(), -1), logits.argmax(-1)
 
     def teacher_from_cache(self, ids: torch.Tensor, states: torch.Tensor, layers: Sequence[int]
                            ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -135,7 +140,7 @@ class PdmTrainer:
              ) -> tuple[torch.Tensor, dict[str, float]]:
         """`cached` = (states [B, T, k, H], full-vocabulary target argmax [B, T], recorded layers) from
         the feature cache; without it the teacher runs live."""
-        head, B, T, m = self.head, ids.shape[0], ids.shape[1], self.m
+        head, B, T = self.head, ids.shape[0], ids.shape[1]
         if cached is None:
             anchors, t_logp_all, t_arg = self.teacher(ids, lens)
         else:
@@ -150,6 +155,26 @@ class PdmTrainer:
             with torch.no_grad():
                 hl = h_last.reshape(B * T, -1)[sel]
                 t_logp = torch.log_softmax(F.linear(self.target.norm(hl), self._teacher_lm_head()).float(), -1)
+        s_logits, x = self.student_logits(anchors, lens, fill, sel)                     # [N, V_d]
+        denom = max(int(sel.numel()), 1)
+        # KL(p_t || p_s) = CE(p_t, p_s) - H(p_t); H(p_t) does not depend on the head, so the gradient
+        # is that of the fused soft-target cross-entropy (one pass each way over [N, V_d])
+        p_t = t_logp.exp()
+        ce = F.cross_entropy(s_logits, p_t, reduction="sum")
+        with torch.no_grad():
+            ent = -(p_t * t_logp).sum()
+        loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
+        kl = (ce.detach() - ent) / denom
+        agree = (head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]).float().sum() / denom
+        return loss, {"loss": float(kl), "top1": float(agree), "tokens": float(sel.numel())}
+
+    def student_logits(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
+                       sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's draft logits [N, V_d] on the flattened rows `sel` of the type-0 copy (each row t as
+        the newest token, older rows at the depths the pipeline gives them at `fill`), and the last
+        layer's output [B, T, H]."""
+        head, m = self.head, self.m
+        B, T = anchors[0].shape[0], anchors[0].shape[1]
         # type copies: copy a = W_a · concat(anchors 0..a)
         g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)  # [B, mT, H]
         pos = torch.arange(T).repeat(m)
@@ -162,18 +187,7 @@ class PdmTrainer:
         L = len(head.layers)
         for i, layer in enumerate(head.layers):
             x = _layer_train(layer, x, cos, sin, mask, T if i == L - 1 else m * T)
-        s_logits = head.draft_logits(x.reshape(B * T, -1)[sel])                        # [N, V_d]
-        denom = max(int(sel.numel()), 1)
-        # KL(p_t || p_s) = CE(p_t, p_s) - H(p_t); H(p_t) does not depend on the head, so the gradient
-        # is that of the fused soft-target cross-entropy (one pass each way over [N, V_d])
-        p_t = t_logp.exp()
-        ce = F.cross_entropy(s_logits, p_t, reduction="sum")
-        with torch.no_grad():
-            ent = -(p_t * t_logp).sum()
-        loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
-        kl = (ce.detach() - ent) / denom
-        agree = (head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]).float().sum() / denom
-        return loss, {"loss": float(kl), "top1": float(agree), "tokens": float(sel.numel())}
+        return head.draft_logits(x.reshape(B * T, -1)[sel]), x
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None) -> dict[str, float]:
