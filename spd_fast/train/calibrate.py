@@ -40,7 +40,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in list(temperatures) + list(scales):
         if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
             raise SpdConfigError(f"temperatures and scales must be positive numbers, got {x!r}")
-    head = head.float().eval()
+    head.eval()
     tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
     dv = head.draft_vocab
     sums = {(t, s): 0.0 for t in temperatures for s in scales}
