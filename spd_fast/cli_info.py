@@ -104,6 +104,7 @@ def _heads() -> list[dict[str, Any]]:
                 heads.append({"name": d.name, "num_stages": dc.num_stages, "boundaries": list(dc.boundaries),
                               "anchors": list(dc.anchors), "draft_layers": dc.num_layers,
                               "draft_vocab_size": dc.draft_vocab_size, "base_model_type": dc.base_model_type,
+                              "draft_temperature_scale": dc.draft_temperature_scale,
                               "size_mib": round(_dir_mib(d), 1)})
             except Exception as e:  # a broken head must not break `info`
                 heads.append({"name": d.name, "error": f"{type(e).__name__}: {e}"})
@@ -159,7 +160,8 @@ def _print_text(d: dict[str, Any]) -> None:
             print(f"  {h['name']}: unreadable ({h['error']})")
         else:
             print(f"  {h['name']}: n={h['num_stages']}, boundaries {h['boundaries']}, L_s={h['draft_layers']}, "
-                  f"V_d={h['draft_vocab_size']}, {h['size_mib']} MiB")
+                  f"V_d={h['draft_vocab_size']}, drafts at {h['draft_temperature_scale']:g} x T when sampling, "
+                  f"{h['size_mib']} MiB")
 
 
 def run(args: argparse.Namespace) -> int:

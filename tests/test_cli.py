@@ -114,6 +114,8 @@ def test_info_text_and_json(capsys):
     assert d["versions"]["torch"] and d["device"] in ("cpu", "cuda")
     assert {"triton", "flash_attn", "cpp_ops"} <= set(d["accelerations"])
     assert isinstance(d["cached_models"], list) and isinstance(d["shipped_heads"], list)
+    for h in d["shipped_heads"]:  # each shipped head is readable and states its sampling calibration
+        assert "error" not in h and 0.05 <= h["draft_temperature_scale"] <= 20
 
 
 # ---- train ---------------------------------------------------------------------------------------
