@@ -19,6 +19,7 @@ from .config import ModelConfig, SpdConfigError, validate_boundaries
 from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
+SCALE_RANGE = (0.05, 20.0)  # allowed draft_temperature_scale
 
 
 class DraftMismatchError(SpdConfigError):
@@ -42,6 +43,13 @@ class DraftConfig:
     # sampled decoding: the head drafts at temperature T * this (its own calibration, see
     # train/calibrate.py); q is still the distribution the draft was drawn from, so output stays exact
     draft_temperature_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        s = self.draft_temperature_scale
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not SCALE_RANGE[0] <= s <= SCALE_RANGE[1]:
+            raise DraftMismatchError(f"draft_temperature_scale {s!r} is out of range: it must be a number in "
+                                     f"[{SCALE_RANGE[0]}, {SCALE_RANGE[1]}] (1 = draft at the requested temperature); "
+                                     "fix draft_config.json or the calibration's --scales")
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,
@@ -120,10 +128,6 @@ class DraftConfig:
             raise DraftMismatchError(
                 f"draft head format version {d.get('format_version')} is not supported (expected {FORMAT_VERSION})")
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
-        scale = d.get("draft_temperature_scale", 1.0)
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0.05 <= scale <= 20:
-            raise DraftMismatchError(f"draft_temperature_scale {scale!r} is out of range: it must be a number in "
-                                     "[0.05, 20] (1 = draft at the requested temperature); fix draft_config.json")
         return DraftConfig(**d)
 
 

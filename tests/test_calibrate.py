@@ -62,8 +62,10 @@ def test_estimate_matches_per_sample_brute_force_and_scales_the_draft_temperatur
             assert res2["acceptance"][str(t)][str(s)] == pytest.approx(res["acceptance"][str(t)][str(2 * s)], abs=1e-5)
     with pytest.raises(SpdConfigError, match="calibration needs held-out samples"):
         calibrate(FakeTarget(m), head, [])
-    with pytest.raises(SpdConfigError, match="must be positive numbers, got 0"):
-        calibrate(FakeTarget(m), head, data, (0.7,), (0.0, 1.0))
+    with pytest.raises(SpdConfigError, match="temperatures must be positive numbers, got 0"):
+        calibrate(FakeTarget(m), head, data, (0.0,), (1.0,))
+    with pytest.raises(SpdConfigError, match=r"scales must be numbers in \[0.05, 20.0\], got 0.01"):
+        calibrate(FakeTarget(m), head, data, (0.7,), (0.01, 1.0))
 
 
 def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, capsys):
@@ -95,5 +97,5 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     assert "expected comma-separated numbers, got '0.5,x'" in capsys.readouterr().err
     cfg = json.loads((tmp_path / "h" / "draft_config.json").read_text())
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, draft_temperature_scale=0)))
-    with pytest.raises(DraftMismatchError, match=r"draft_temperature_scale 0 is out of range.*\[0.05, 20\]"):
+    with pytest.raises(DraftMismatchError, match=r"draft_temperature_scale 0 is out of range.*\[0.05, 20.0\]"):
         load_draft(tmp_path / "h", m, weights_fingerprint(m))

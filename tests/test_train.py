@@ -152,7 +152,7 @@ def test_trained_lm_head_is_stored_loaded_and_kept_by_warm_starts(tiny_checkpoin
     assert not head.dcfg.frozen_lm_head
     assert (head.lm_head.weight - rows).abs().max() > 1e-3  # the rows moved away from the target's
     saved = load_file(str(tmp_path / "a" / "head" / "draft.safetensors"))
-    assert "lm_head.weight" in saved  # a frozen head does not store them (tested by the size below)
+    assert "lm_head.weight" in saved  # a frozen head does not store them (checked below)
     loaded = load_draft(tmp_path / "a" / "head", m, "tiny", num_stages=3)
     torch.testing.assert_close(loaded.lm_head.weight, head.lm_head.weight.float(), atol=1e-2, rtol=1e-2)
     assert (loaded.lm_head.weight - rows).abs().max() > 1e-3  # not rebuilt from the target at load

@@ -90,7 +90,7 @@ def bf16_cpu_warning(cpuinfo: str | None = None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from ..config import SpdConfigError
     from ..runtime import load_target
-    from .data import load_prompts, read_jsonl, self_distill, text_file_samples
+    from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
     from .trainer import TrainConfig, pack_batches, train
 
     a = build_parser().parse_args(argv)
@@ -128,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
             raise SpdConfigError("no training samples; pass --data self-distill or a data file")
-        val: list[dict] = []
-        for src in a.val:
-            if not Path(src).is_file():
-                raise SpdConfigError(f"validation file {src} does not exist")
-            val += list(text_file_samples(src, target))
-        val = val[: a.val_limit]
+        val = read_val_samples(a.val, target)[: a.val_limit]
         steps = a.steps
         if a.epochs > 0:
             steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))

@@ -33,13 +33,17 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     """-> {"rows", "top1", "acceptance": {"T": {"s": expected acceptance}}, "mean": {"s": mean over T},
     "best_scale"}. Rows: the assistant positions of `samples`, each scored as the newest token."""
     from ..config import SpdConfigError
+    from ..pdm import SCALE_RANGE
     from .trainer import PdmTrainer, TrainConfig, collate
 
     if not samples:
         raise SpdConfigError("calibration needs held-out samples; pass --val FILE (chat jsonl or text)")
-    for x in list(temperatures) + list(scales):
+    for x in temperatures:
         if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
-            raise SpdConfigError(f"temperatures and scales must be positive numbers, got {x!r}")
+            raise SpdConfigError(f"temperatures must be positive numbers, got {x!r}")
+    for x in scales:
+        if not (isinstance(x, (int, float)) and SCALE_RANGE[0] <= x <= SCALE_RANGE[1]):
+            raise SpdConfigError(f"scales must be numbers in [{SCALE_RANGE[0]}, {SCALE_RANGE[1]}], got {x!r}")
     head.eval()
     tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
     dv = head.draft_vocab
@@ -105,18 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ..pdm import load_draft
         from ..runtime import load_target
-        from .data import text_file_samples
+        from .data import read_val_samples
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
         target = load_target(a.model)
         head = load_draft(a.head, target.model, target.fingerprint)
-        samples: list[dict] = []
-        for f in a.val:
-            if not Path(f).is_file():
-                raise SpdConfigError(f"validation file {f} does not exist")
-            samples += list(text_file_samples(f, target))
-        res = calibrate(target, head, samples[: a.val_limit], a.temperatures, a.scales)
+        res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales)
     except SpdConfigError as e:
         print(f"spd_fast.train.calibrate: error: {e}", file=sys.stderr)
         return 2

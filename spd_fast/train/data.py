@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -118,3 +118,15 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     else:
         for i, block in enumerate(b for b in path.read_text().split("\n\n") if b.strip()):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(block)}
+
+
+def read_val_samples(paths: Sequence[str | Path], target: Target) -> list[dict]:
+    """Held-out samples from the given files (any format text_file_samples reads), in order."""
+    from ..config import SpdConfigError
+
+    out: list[dict] = []
+    for src in paths:
+        if not Path(src).is_file():
+            raise SpdConfigError(f"validation file {src} does not exist")
+        out += list(text_file_samples(src, target))
+    return out
