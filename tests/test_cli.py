@@ -86,6 +86,42 @@ def test_eval_json_and_files(capsys, tmp_path):
     assert res["meta"]["seed"] == 0
 
 
+def test_eval_attaches_one_ar_run_to_every_n(monkeypatch):
+    """AR runs once per prompt (with the first n); every n's rows carry it, so each SPD/AR ratio is
+    measured in the same run, and greedy SPD is checked against it at every n."""
+    import spd_fast.api
+    from spd_fast.evaluate import evaluate_acceptance
+
+    calls: list[tuple[int, str]] = []
+    orig = spd_fast.api.Engine.generate
+
+    def counting(self, *a, **kw):
+        calls.append((self.num_stages, kw.get("method")))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(spd_fast.api.Engine, "generate", counting)
+    res = evaluate_acceptance(num_stages=(2, 3), temperatures=(0.0,), limit=2, max_new_tokens=6, draft="random",
+                              categories=("chat",), progress=False)
+    assert sorted(calls) == [(2, "ar")] * 2 + [(2, "spd")] * 2 + [(3, "spd")] * 2
+    rows = {(r["n"], r["category"]): r for r in res["rows"]}
+    assert set(rows) == {(n, c) for n in (2, 3) for c in ("chat", "overall")}
+    for n in (2, 3):
+        r = rows[n, "overall"]
+        assert r["ar_tokens_per_s"] == rows[2, "overall"]["ar_tokens_per_s"]
+        assert r["speedup_vs_ar"] == pytest.approx(r["spd_tokens_per_s"] / r["ar_tokens_per_s"])
+
+    def wrong(self, *a, **kw):  # an AR that disagrees with SPD is caught at the second n too
+        out = orig(self, *a, **kw)
+        if kw.get("method") == "spd" and self.num_stages == 3:
+            out.token_ids = out.token_ids[:-1] + [out.token_ids[-1] + 1]
+        return out
+
+    monkeypatch.setattr(spd_fast.api.Engine, "generate", wrong)
+    with pytest.raises(RuntimeError, match=r"greedy SPD output differs from AR on prompt .*\(n=3\)"):
+        evaluate_acceptance(num_stages=(2, 3), temperatures=(0.0,), limit=1, max_new_tokens=6, draft="random",
+                            categories=("chat",), progress=False)
+
+
 def test_eval_seed_changes_sampled_runs_only(capsys):
     def run(*extra):
         rc, out, err = run_cli(["eval", "--limit", "2", "--max-new-tokens", "16", "--json",  # the shipped head

@@ -436,3 +436,41 @@ def test_bf16_warning_on_cpus_without_native_bf16():
     assert bf16_cpu_warning("flags\t\t: avx2 amx_tile amx_bf16\n") is None
     assert bf16_cpu_warning("Features\t: fp asimd sve bf16 i8mm\n") is None
     assert bf16_cpu_warning("model name\t: something without a flags line\n") is None  # cannot tell: no warning
+
+
+def test_warm_start_carries_a_head_to_another_stage_split(tiny_checkpoint, tmp_path):
+    """An n=3 head (anchors 0,2,4,6) seeds an n=2 head with the same anchors; it then refuses n=3."""
+    from spd_fast.drafters import PdmDrafter
+    from spd_fast.engine import SPDEngine
+    from spd_fast.sampling import SamplingParams
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=3, batch_tokens=256, max_seq_len=64, save_every=3, log_every=3, warmup=1)
+    train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    with pytest.raises(SpdConfigError, match=r"anchors: \[0, 2, 4, 6\] vs \[0, 3, 6\].*add --anchors 0,2,4,6"):
+        train(FakeTarget(m), data, tmp_path / "x", num_stages=2, draft_vocab_size=50, cfg=zero,
+              log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
+    logs: list[str] = []
+    two = train(FakeTarget(m), data, tmp_path / "b", num_stages=2, anchors=(0, 2, 4, 6), draft_vocab_size=50,
+                cfg=TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1,
+                                lr=1e-3),
+                log=logs.append, feature_cache=False, init=tmp_path / "a" / "head", val_samples=data[:4])
+    assert two.dcfg.boundaries == (0, 3, 6) and two.dcfg.anchors == (0, 2, 4, 6)
+    assert two.dcfg.depth_types() == [0, 1, 3]  # a depth-1 token (3 layers done) reads anchors 0 and 2
+    saved = load_draft(tmp_path / "a" / "head", m, "tiny", num_stages=3)
+    assert torch.equal(two.draft_vocab, saved.draft_vocab)
+    moved = [k for k, v in saved.state_dict().items() if not torch.equal(v, two.state_dict()[k].to(v.dtype))]
+    assert moved  # it started from the n=3 weights (step-0 score logged) and fine-tuning moved them
+    assert json.loads(next(x for x in logs if x.startswith("{") and "val_top1" in x))["step"] == 0
+    loaded = load_draft(tmp_path / "b" / "head", m, "tiny", num_stages=2)
+    with pytest.raises(DraftMismatchError):
+        load_draft(tmp_path / "b" / "head", m, "tiny", num_stages=3)
+    # and it drafts in a 2-stage pipeline that stays exact
+    prompt = data[0]["prompt_ids"]
+    ref = data[0]["response_ids"][:16]
+    m.setup_caches(1, 128)
+    out = SPDEngine(m, PdmDrafter(loaded), loaded.dcfg.boundaries, loaded.dcfg.anchors).run(
+        prompt, 16, SamplingParams(), []).token_ids
+    assert out == ref

@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--init", default=None,
-                   help="warm-start from this head directory (same n, anchors, V_d), e.g. to fine-tune "
+                   help="warm-start from this head directory (same anchors and V_d), e.g. to fine-tune "
                         "the shipped head on new data; a larger --draft-layers grows it (new layers start "
-                        "as the identity)")
+                        "as the identity); another --num-stages adapts it to that split (keep its --anchors)")
     p.add_argument("--val", action="append", default=[],
                    help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
                         "checkpoint, best head kept in OUT/best_head")

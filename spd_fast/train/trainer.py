@@ -312,7 +312,12 @@ def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) 
 
 
 def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
-    """Copy a saved head's weights and draft vocabulary into `head` (same n, anchors and V_d).
+    """Copy a saved head's weights and draft vocabulary into `head` (same anchors and V_d).
+
+    The stage split may differ: every weight depends on the anchors only, so a head trained for one
+    n is a starting point for another n with the same anchors (e.g. the n=3 head with anchors
+    0,10,20,30 for n=2 at boundaries 0,15,30, where a depth-1 token has type 1); fine-tuning then
+    teaches it the new split's depth pattern.
 
     `head` may have more decoder layers than the saved one (growing L_s): the saved layers become
     the first ones and each extra layer starts as the identity (its attention output and MLP down
@@ -323,8 +328,12 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
 
     src = load_draft(init, target_obj.model, target_obj.fingerprint)
     a, b = src.dcfg, head.dcfg
-    diffs = [f"{k}: {getattr(a, k)} vs {getattr(b, k)}" for k in ("boundaries", "anchors", "draft_vocab_size")
-             if getattr(a, k) != getattr(b, k)]
+    diffs = [f"{k}: {list(getattr(a, k)) if k == 'anchors' else getattr(a, k)} vs "
+             f"{list(getattr(b, k)) if k == 'anchors' else getattr(b, k)}"
+             for k in ("anchors", "draft_vocab_size") if getattr(a, k) != getattr(b, k)]
+    if a.anchors != b.anchors and a.boundaries != b.boundaries:
+        diffs[0] += (f" (a head for another stage split keeps its anchors: add --anchors "
+                     f"{','.join(map(str, a.anchors))})")
     if not a.frozen_lm_head and b.frozen_lm_head:
         diffs.append("lm_head: trained in the saved head, frozen in the requested one (add --train-lm-head, or "
                      "its trained rows would be replaced by the target's)")
@@ -353,8 +362,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     under out_dir/feature_cache (see features.py); every step then reads them instead of running
     the 30-layer target again.
 
-    `init` warm-starts from a saved head (its weights and its draft vocabulary; n, anchors and V_d
-    must match, L_s may grow, see warm_start): fine-tuning an existing head on new data is much
+    `init` warm-starts from a saved head (its weights and its draft vocabulary; anchors and V_d
+    must match, n and L_s may differ / grow, see warm_start): fine-tuning an existing head on new data is much
     cheaper than starting over.
 
     `val_samples` (held-out data) are scored at every checkpoint (KL and top-1 agreement at full
