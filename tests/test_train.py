@@ -170,12 +170,18 @@ def test_trained_lm_head_is_stored_loaded_and_kept_by_warm_starts(tiny_checkpoin
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
 
 
-def test_warm_start_grows_the_tower_and_drafts_like_the_smaller_head(tiny_checkpoint, tmp_path):
+def _saved_n3_head(tiny_checkpoint, out: Path):
+    """The tiny llama target, 12 self-distilled samples, an n=3 head trained 3 steps and saved in out/head,
+    and a zero-step config for warm starts from it."""
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)
     cfg = TrainConfig(steps=3, batch_tokens=256, max_seq_len=64, save_every=3, log_every=3, warmup=1)
-    train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
-    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    train(FakeTarget(m), data, out, num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    return m, data, TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+
+
+def test_warm_start_grows_the_tower_and_drafts_like_the_smaller_head(tiny_checkpoint, tmp_path):
+    m, data, zero = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
     grown = train(FakeTarget(m), data, tmp_path / "b", num_stages=3, draft_layers=3, draft_vocab_size=50, cfg=zero,
                   log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
     assert len(grown.layers) == 3
@@ -444,11 +450,7 @@ def test_warm_start_carries_a_head_to_another_stage_split(tiny_checkpoint, tmp_p
     from spd_fast.engine import SPDEngine
     from spd_fast.sampling import SamplingParams
 
-    m = tiny_target(tiny_checkpoint("llama"))
-    data = _samples(m, 12)
-    cfg = TrainConfig(steps=3, batch_tokens=256, max_seq_len=64, save_every=3, log_every=3, warmup=1)
-    train(FakeTarget(m), data, tmp_path / "a", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
-    zero = TrainConfig(steps=0, batch_tokens=256, max_seq_len=64, warmup=1)
+    m, data, zero = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
     with pytest.raises(SpdConfigError, match=r"anchors: \[0, 2, 4, 6\] vs \[0, 3, 6\].*add --anchors 0,2,4,6"):
         train(FakeTarget(m), data, tmp_path / "x", num_stages=2, draft_vocab_size=50, cfg=zero,
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
