@@ -22,6 +22,11 @@ FORMAT_VERSION = 1
 SCALE_RANGE = (0.05, 20.0)  # allowed draft_temperature_scale
 
 
+def valid_scale(s: object) -> bool:
+    """A draft_temperature_scale a head may carry: a real number (not a bool) inside SCALE_RANGE."""
+    return isinstance(s, (int, float)) and not isinstance(s, bool) and SCALE_RANGE[0] <= s <= SCALE_RANGE[1]
+
+
 class DraftMismatchError(SpdConfigError):
     """A draft head that does not fit the target model or the requested pipeline."""
 
@@ -46,7 +51,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         s = self.draft_temperature_scale
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not SCALE_RANGE[0] <= s <= SCALE_RANGE[1]:
+        if not valid_scale(s):
             raise DraftMismatchError(f"draft_temperature_scale {s!r} is out of range: it must be a number in "
                                      f"[{SCALE_RANGE[0]}, {SCALE_RANGE[1]}] (1 = draft at the requested temperature); "
                                      "fix draft_config.json or the calibration's --scales")

@@ -33,7 +33,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     """-> {"rows", "top1", "acceptance": {"T": {"s": expected acceptance}}, "mean": {"s": mean over T},
     "best_scale"}. Rows: the assistant positions of `samples`, each scored as the newest token."""
     from ..config import SpdConfigError
-    from ..pdm import SCALE_RANGE
+    from ..pdm import SCALE_RANGE, valid_scale
     from .trainer import PdmTrainer, TrainConfig, collate
 
     if not samples:
@@ -42,7 +42,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
         if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
             raise SpdConfigError(f"temperatures must be positive numbers, got {x!r}")
     for x in scales:
-        if not (isinstance(x, (int, float)) and SCALE_RANGE[0] <= x <= SCALE_RANGE[1]):
+        if not valid_scale(x):
             raise SpdConfigError(f"scales must be numbers in [{SCALE_RANGE[0]}, {SCALE_RANGE[1]}], got {x!r}")
     head.eval()
     tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))

@@ -328,12 +328,13 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
 
     src = load_draft(init, target_obj.model, target_obj.fingerprint)
     a, b = src.dcfg, head.dcfg
-    diffs = [f"{k}: {list(getattr(a, k)) if k == 'anchors' else getattr(a, k)} vs "
-             f"{list(getattr(b, k)) if k == 'anchors' else getattr(b, k)}"
-             for k in ("anchors", "draft_vocab_size") if getattr(a, k) != getattr(b, k)]
-    if a.anchors != b.anchors and a.boundaries != b.boundaries:
-        diffs[0] += (f" (a head for another stage split keeps its anchors: add --anchors "
-                     f"{','.join(map(str, a.anchors))})")
+    diffs = []
+    if a.anchors != b.anchors:
+        hint = (f" (a head for another stage split keeps its anchors: add --anchors {','.join(map(str, a.anchors))})"
+                if a.boundaries != b.boundaries else "")
+        diffs.append(f"anchors: {list(a.anchors)} vs {list(b.anchors)}{hint}")
+    if a.draft_vocab_size != b.draft_vocab_size:
+        diffs.append(f"draft_vocab_size: {a.draft_vocab_size} vs {b.draft_vocab_size}")
     if not a.frozen_lm_head and b.frozen_lm_head:
         diffs.append("lm_head: trained in the saved head, frozen in the requested one (add --train-lm-head, or "
                      "its trained rows would be replaced by the target's)")
