@@ -27,12 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed SEED+i (matters at temperature > 0)")
+    p.add_argument("--lookup", type=int, default=3, help="context lookup beside the PDM (0: the PDM alone)")
     p.add_argument("--out", default="bench/results/acceptance")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     res = evaluate_acceptance([int(x) for x in a.num_stages.split(",")], [float(x) for x in a.temperatures.split(",")],
                               a.limit, a.max_new_tokens, a.draft, with_ar=not a.no_ar, progress=False,
-                              on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed)
+                              on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed,
+                              lookup=a.lookup)
     write_results(res, a.out)
     print(markdown_table(res["rows"]))
     return 0

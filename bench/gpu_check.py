@@ -143,6 +143,7 @@ def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, 
     b = uniform_boundaries(cfg.num_layers, n)
     full = [0] * len(ids) + static
     drafters = {"random PDM": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096)),
+                "random PDM + lookup 3": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096), lookup=3),
                 "right 50%": lambda: ReferenceDrafter(full, cfg.vocab_size, "bernoulli", p_right=0.5, seed=2)}
     for dname, mk in drafters.items():
         seq = SPDEngine(m, mk(), b).run(ids, new, GREEDY, [])

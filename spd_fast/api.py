@@ -10,7 +10,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_max_new_tokens
-from .config import SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
+from .config import (DEFAULT_LOOKUP, SpdConfigError, check_lookup, uniform_boundaries, validate_boundaries,
+                     validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
 from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
@@ -52,7 +53,8 @@ class Engine:
     """A loaded target model plus a draft head for one pipeline shape; reusable across calls."""
 
     def __init__(self, target: Target, head: DraftHead | None, boundaries: tuple[int, ...], max_len: int,
-                 draft_source: str, placement: str = "local", cuda_graphs: bool | None = None):
+                 draft_source: str, placement: str = "local", cuda_graphs: bool | None = None,
+                 lookup: int = DEFAULT_LOOKUP):
         self.target, self.head, self.boundaries = target, head, boundaries
         self.num_stages = len(boundaries) - 1
         self.max_len = max_len
@@ -60,7 +62,7 @@ class Engine:
         self.placement = placement
         target.model.setup_caches(1, max_len)
         anchors = head.dcfg.anchors if head is not None else None
-        self.spd = SPDEngine(target.model, PdmDrafter(head), boundaries, anchors) if head is not None else None
+        self.spd = SPDEngine(target.model, PdmDrafter(head, lookup), boundaries, anchors) if head is not None else None
         self.pipelined = None
         self.graphed_ar = None
         if placement in ("streams", "devices"):
@@ -161,17 +163,21 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int | None = None,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int | None = None,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
-         progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None) -> Engine:
+         progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None,
+         lookup: int = DEFAULT_LOOKUP) -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
     else a random head with a warning), or "random" (a seeded random head of the right shape).
     num_stages: n; None means len(boundaries) - 1 when boundaries are given, the world size with
     placement="distributed", the head's own n when draft is a head directory, else 3.
     placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
     replayed as a CUDA graph unless cuda_graphs=False), "devices" (one stage per GPU), or
-    "distributed" (call it on every rank of a torchrun job; loads only this rank's stage)."""
+    "distributed" (call it on every rank of a torchrun job; loads only this rank's stage).
+    lookup: context lookup beside the PDM: when the `lookup` newest tokens occurred earlier in the
+    context, draft what followed them (0 turns it off; exactness never depends on it)."""
     if placement not in PLACEMENTS:
         raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     parse_device(device)  # a CPU or CUDA device that exists here
+    check_lookup(lookup)
     if cuda_graphs and placement != "streams":
         raise SpdConfigError(
             f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
@@ -192,7 +198,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
 
         return load_distributed(  # type: ignore[return-value]  (a DistributedEngine: same generate())
             model=model, draft=draft, num_stages=num_stages, boundaries=boundaries, anchors=anchors,
-            draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress)
+            draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress,
+            lookup=lookup)
     target = load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
     if boundaries is not None:
@@ -230,7 +237,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     from .packed import pack_draft
 
     pack_draft(head, net)  # CPU + GGUF target: the head decodes from packed weights too
-    return Engine(target, head, b, max_len, source, placement, cuda_graphs)
+    return Engine(target, head, b, max_len, source, placement, cuda_graphs, lookup)
 
 
 _ENGINES: dict[tuple, Engine] = {}
@@ -247,7 +254,7 @@ def _cached_engine(**kw: Any) -> Engine:
 def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
-             dtype: str = "float32", max_len: int = 2048, placement: str = "local"
+             dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP
              ) -> GenerationOutput | list[GenerationOutput] | None:
     """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
@@ -255,18 +262,21 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _as_batch(prompt)
+    check_lookup(lookup)
     eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
-                         placement=placement)
+                         placement=placement, lookup=lookup)
     return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
 
 
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
-           max_len: int = 2048) -> Iterator[str]:
+           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP) -> Iterator[str]:
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _check_single(prompt)
-    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len)
+    check_lookup(lookup)
+    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
+                         lookup=lookup)
     return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)

@@ -7,6 +7,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from .config import DEFAULT_LOOKUP
+
 _PKG = str(Path(__file__).resolve().parent)
 
 
@@ -57,6 +59,9 @@ def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None)
                    help="executor: local/sequential (default, CPU or GPU), streams (one GPU, a CUDA stream per "
                         "stage, CUDA graphs), devices (one stage per GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="placement=streams: run the cycle eagerly")
+    p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP, metavar="K",
+                   help=f"context lookup beside the PDM: when the K newest tokens occurred earlier, draft what "
+                        f"followed them (default: {DEFAULT_LOOKUP}; 0 turns it off)")
     p.add_argument("--kernels", choices=["auto", "torch", "cpp", "triton"],
                    help="backend of the cycle's fused ops (spd_fast.kernels; default: the library's)")
 
@@ -88,7 +93,8 @@ def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, d
                             num_stages=num_stages, dtype=args.dtype, device=args.device,
                             max_len=getattr(args, "max_len", 2048), progress=not quiet,
                             placement=getattr(args, "placement", "local"),
-                            cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
+                            cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
+                            lookup=getattr(args, "lookup", DEFAULT_LOOKUP))
     if not quiet:
         for w in caught:  # ours only: library deprecation chatter is not the user's business here
             if str(Path(w.filename).resolve()).startswith(_PKG):

@@ -19,6 +19,19 @@ class SpdConfigError(ValueError):
     """A configuration or input the user can fix; the message says how."""
 
 
+DEFAULT_LOOKUP = 3   # context lookup beside the PDM: match the 3 newest tokens (drafters.PdmDrafter)
+MAX_LOOKUP = 64
+
+
+def check_lookup(lookup: object) -> int:
+    """`lookup`: how many newest tokens a context match needs; 0 turns context lookup off."""
+    if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_LOOKUP:
+        raise SpdConfigError(f"lookup must be an integer from 0 to {MAX_LOOKUP} (how many newest tokens a context "
+                             f"match needs; 0 turns context lookup off, {DEFAULT_LOOKUP} is the default), "
+                             f"got {lookup!r}")
+    return lookup
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str

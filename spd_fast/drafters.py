@@ -1,4 +1,5 @@
-"""Drafters: the trained/random PDM, plus two test drafters (oracle and always-wrong)."""
+"""Drafters: the trained/random PDM (optionally with context lookup), plus test drafters (oracle,
+always-wrong, Bernoulli)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,18 +7,27 @@ from typing import Sequence
 
 import torch
 
+from .config import check_lookup
 from .engine import PipelineState, SPDEngine
 from .model import kv_bound_for
-from .ops import draft_sample
+from .ops import draft_sample, lookup_next
 from .pdm import DraftHead
 from .sampling import MIN_TEMPERATURE, SamplingParams
 
 
 class PdmDrafter:
-    """Drafts with a DraftHead: aggregated multi-depth features -> tower -> LM head over V_d."""
+    """Drafts with a DraftHead: aggregated multi-depth features -> tower -> LM head over V_d.
 
-    def __init__(self, head: DraftHead):
+    lookup=k > 0 adds context lookup: when the k newest tokens (in-flight drafts included) occurred
+    earlier in the prompt or output, the draft is the token that followed their latest occurrence,
+    with q = that token's one-hot (so sampling stays exact); otherwise the PDM's draft. The PDM runs
+    every cycle either way (its cache needs the rows). A copy is a guess the PDM often misses:
+    on the project's eval prompts it lifts greedy acceptance by about 0.02-0.03 at n=3.
+    """
+
+    def __init__(self, head: DraftHead, lookup: int = 0):
         self.head = head
+        self.lookup = check_lookup(lookup)
         self._scaled: tuple[tuple[SamplingParams, float], SamplingParams] | None = None
 
     def draft_params(self, params: SamplingParams) -> SamplingParams:
@@ -52,9 +62,19 @@ class PdmDrafter:
         g = head.aggregate(st.anchors[start:p_new + 1], types)
         h = head.tower(g[None], pos[None], kv_bound_for(p_new, head.max_len))
         logits = head.draft_logits(h[0, -1])
-        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
-                            generator)
+        tok, q = draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                              generator)
+        if self.lookup and p_new >= self.lookup:
+            return self._with_lookup(st.tokens[:p_new + 1], st.p_new, tok, q)
+        return tok, q
 
+    def _with_lookup(self, tokens: torch.Tensor, p_new: torch.Tensor, tok: torch.Tensor,
+                     q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        found, copied = lookup_next(tokens, p_new, self.lookup)
+        tok = torch.where(found, copied, tok)
+        if q is not None:
+            q = torch.where(found, torch.zeros_like(q).scatter_(0, copied.view(1), 1.0), q)
+        return tok, q
 
     def draft_static(self, engine: SPDEngine, cyc, params: SamplingParams,
                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,8 +84,11 @@ class PdmDrafter:
         g = head.aggregate(cyc.pdm_rows, cyc.pdm_types)
         h = head.tower(g[None], cyc.pdm_pos[None], head.max_len)
         logits = head.draft_logits(h[0, -1])
-        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
-                            generator)
+        tok, q = draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                              generator)
+        if self.lookup:
+            return self._with_lookup(cyc.st.tokens, cyc.st.p_new, tok, q)
+        return tok, q
 
 
 class ReferenceDrafter:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import SpdConfigError
+from .config import DEFAULT_LOOKUP, SpdConfigError
 from .progress import bar
 
 CATEGORIES = ("chat", "math", "code")
@@ -60,12 +60,13 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                         limit: int = 40, max_new_tokens: int = 96, draft: str | None = None,
                         categories: Sequence[str] = CATEGORIES, with_ar: bool = True, model: str | None = None,
                         dtype: str = "float32", device: str = "cpu", progress: bool = True,
-                        on_row: Any = None, seed: int = 0) -> dict[str, Any]:
+                        on_row: Any = None, seed: int = 0, lookup: int = DEFAULT_LOOKUP) -> dict[str, Any]:
     """Run the evaluation; return {"meta": {...}, "rows": [...]} (one row per n, temperature, category
     and an "overall" row). AR runs once per prompt, with the first n (it does not depend on n); every
     n's rows get its tokens/s and the SPD/AR ratio, and greedy SPD is checked against it at every n.
     Prompt i of a category samples with seed `seed + i` (SPD and AR alike); at temperature > 0 a
-    few seeds tell a real difference between two heads from sampling noise.
+    few seeds tell a real difference between two heads from sampling noise. lookup: the drafter's
+    context lookup (spd_fast.load); 0 measures the PDM alone.
     Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
     import spd_fast
 
@@ -79,7 +80,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
-                                progress=progress)
+                                progress=progress, lookup=lookup)
         sources.append(eng.draft_source)
         for temp in temperatures:
             per_cat = {}
@@ -113,7 +114,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
-            "limit": limit, "categories": list(categories), "seed": seed}
+            "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup}
     return {"meta": meta, "rows": rows}
 
 

@@ -90,3 +90,16 @@ def verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tensor, q: t
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p)
     y = sample_from(resid, generator)
     return accept, torch.where(accept, draft_token, y)
+
+
+def lookup_next(tokens: torch.Tensor, p_new: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context lookup ("prompt lookup" drafting) over tokens[0 .. p_new]: find the latest earlier
+    occurrence of the last k tokens tokens[p_new-k+1 .. p_new] and return (found bool [], the token
+    that followed it []). Only windows ending before p_new count, so entries after p_new (stale
+    slots of a rolled-back buffer) are never read. Tensor-only, fixed shapes: graph-safe."""
+    L = tokens.numel()
+    ar = torch.arange(L - k + 1, device=tokens.device)
+    suffix = tokens.index_select(0, (p_new - k + 1 + torch.arange(k, device=tokens.device)).clamp_min(0))
+    hit = (tokens.unfold(0, k, 1) == suffix).all(dim=1) & (ar + k <= p_new)   # window i = tokens[i .. i+k-1]
+    best = torch.where(hit, ar, -1).max()
+    return best >= 0, tokens.index_select(0, (best + k).clamp(0, L - 1).view(1))[0]

@@ -210,6 +210,9 @@ def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):
     pytest.param(["generate", "--user", "hi", "--threads", "-1"], "--threads: expected an integer >= 0, got -1",
                  id="threads-negative"),
     pytest.param(["bench", "--threads", "x"], "--threads: expected an integer >= 0, got 'x'", id="bench-threads"),
+    pytest.param(["generate", "--user", "hi", "--lookup", "-1"], "--lookup: expected an integer >= 0, got -1",
+                 id="lookup-negative"),
+    pytest.param(["generate", "--user", "hi", "--lookup", "65"], "lookup must be an integer from 0 to 64", id="lookup-big"),
     pytest.param(["generate", "--user", "hi", "--device", "gpu"], "device 'gpu' is not a valid device", id="device"),
     pytest.param(["generate", "hi", "--temperature", "1", "--seed", str(2**70)], "is out of range", id="seed-range"),
 ])

@@ -229,6 +229,10 @@ def test_bad_method_and_dtype():
     (dict(seed="x"), "seed must be an integer, got 'x'"),
     (dict(model=5), "model must be a Hugging Face checkpoint directory or a .gguf file.*got 5"),
     (dict(model=""), "model must be a Hugging Face checkpoint directory or a .gguf file.*got ''"),
+    (dict(lookup=-1), r"lookup must be an integer from 0 to 64 \(how many newest tokens a context match needs; "
+                      r"0 turns context lookup off, 3 is the default\), got -1"),
+    (dict(lookup=True), "lookup must be an integer from 0 to 64.*got True"),
+    (dict(lookup=65), "lookup must be an integer from 0 to 64.*got 65"),
 ])
 def test_invalid_load_arguments(kw, msg):
     with pytest.raises(SpdConfigError, match=msg):  # all before any weights are read

@@ -104,10 +104,11 @@ class _NoHostReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_device_cycle_never_reads_the_device(tiny_checkpoint, temperature):
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_device_cycle_never_reads_the_device(tiny_checkpoint, temperature, lookup):
     m = tiny_target(tiny_checkpoint("llama"))
     b = uniform_boundaries(m.cfg.num_layers, 3)
-    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97), lookup), b), "simulated")
     params = SamplingParams(temperature=temperature, seed=1)
     gen = make_generator(params, "cpu")
     st, _ = pipe.engine.start([3, 1, 4], params, gen)

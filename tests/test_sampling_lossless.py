@@ -56,7 +56,7 @@ def small_model(tmp_path_factory):
     return _tiny_small_vocab(tmp_path_factory)
 
 
-def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0):
+def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0, lookup=0):
     import dataclasses
 
     from test_engine import random_head
@@ -69,7 +69,7 @@ def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0
             head.lm_head.weight.mul_(4.0).add_(torch.randn(head.lm_head.weight.shape,
                                                            generator=torch.Generator().manual_seed(5)))
         head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=draft_scale)
-        eng = SPDEngine(model, PdmDrafter(head), b)
+        eng = SPDEngine(model, PdmDrafter(head, lookup), b)
         eng.total = {"ver": 0, "acc": 0}
     out = {k: torch.zeros(model.cfg.vocab_size) for k in positions}
     g = torch.Generator().manual_seed(1234 if method == "spd" else 99)
@@ -110,6 +110,30 @@ def test_head_draft_temperature_scale_keeps_sampling_exact(small_model, scale):
     params = SamplingParams(temperature=0.8)
     ar, _ = _samples(small_model, "ar", 1500, params)
     sp, eng = _samples(small_model, "spd", 1500, params, draft_scale=scale)
+    rate = eng.total["acc"] / eng.total["ver"]
+    assert 0.05 < rate < 0.95
+    for k in ar:
+        assert _same_distribution(ar[k], sp[k]) > P_MIN, k
+
+
+def test_context_lookup_keeps_sampling_exact(small_model, monkeypatch):
+    """Lookup drafts carry a one-hot q (they are not drawn from the PDM's q); verification against
+    that q keeps the output distribution the target's. lookup=1 fires often on 8 tokens."""
+    import spd_fast.drafters as drafters_mod
+
+    hits = []
+    real = drafters_mod.lookup_next
+
+    def counting(tokens, p_new, k):
+        found, tok = real(tokens, p_new, k)
+        hits.append(int(found))
+        return found, tok
+
+    monkeypatch.setattr(drafters_mod, "lookup_next", counting)
+    params = SamplingParams(temperature=0.9)
+    ar, _ = _samples(small_model, "ar", 1500, params)
+    sp, eng = _samples(small_model, "spd", 1500, params, lookup=1)
+    assert sum(hits) > len(hits) // 4
     rate = eng.total["acc"] / eng.total["ver"]
     assert 0.05 < rate < 0.95
     for k in ar:

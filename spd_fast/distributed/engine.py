@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import ModelConfig, SpdConfigError, uniform_boundaries, validate_boundaries, validate_num_stages
+from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_lookup, uniform_boundaries,
+                      validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -148,8 +149,9 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
                      dtype: str | torch.dtype = "float32",
                      device: str = "cpu", max_len: int = 2048, seed: int = 0, progress: bool = True,
                      timeout: float = 30.0, startup_timeout: float = 60.0,
-                     draft_vocab_size: int = 0) -> DistributedEngine:
+                     draft_vocab_size: int = 0, lookup: int = DEFAULT_LOOKUP) -> DistributedEngine:
     """Call on every rank of a torchrun job. num_stages defaults to the world size and must equal it."""
+    check_lookup(lookup)
     tdtype = parse_dtype(dtype)
     if not isinstance(max_len, int) or max_len < 8:
         raise SpdConfigError(f"max_len must be an integer >= 8, got {max_len!r}")
@@ -198,7 +200,7 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
         from ..packed import pack_draft
 
         pack_draft(head, net)  # as in api.load: a CPU head on a packed target decodes from packed weights
-        return target, PipelineDriver(plan, net, head, links), None, links
+        return target, PipelineDriver(plan, net, head, links, lookup), None, links
 
     box: dict[str, tuple] = {}  # the built objects stay local; the gather only exchanges success / errors
     gather_or_fail(ctx, "loading the stages", lambda: box.setdefault("parts", build()) and None)

@@ -148,11 +148,12 @@ class StageWorker:
 class PipelineDriver:
     """Rank 0: embedding, stage 0, the PDM, verification, the decode loop (mirrors SPDEngine)."""
 
-    def __init__(self, plan: StagePlan, model: Transformer, head: DraftHead, links: Links | None):
+    def __init__(self, plan: StagePlan, model: Transformer, head: DraftHead, links: Links | None,
+                 lookup: int = 0):
         self.plan, self.model, self.links = plan, model, links
         self.n = plan.n
         self.anchors = plan.anchors
-        self.drafter = PdmDrafter(head)
+        self.drafter = PdmDrafter(head, lookup)
         self.want0, self.idx0 = plan.recorded(0), plan.recorded_idx(0)
         self.reporters = [s for s in range(1, self.n) if plan.reports(s)]
         self.depth_type = torch.tensor([max(i for i, b in enumerate(self.anchors) if b <= plan.boundaries[d])
