@@ -47,7 +47,8 @@ def test_lookup_next_matches_brute_force():
         assert bool(f2) == bool(found) and (not bool(found) or int(t2) == int(tok))
 
 
-def _count_lookups(monkeypatch) -> list[int]:
+def count_lookups(monkeypatch) -> list[int]:
+    """Wrap the drafter's lookup; the returned list gets 1 per draft the lookup supplied, else 0."""
     hits = []
     real = drafters_mod.lookup_next
 
@@ -70,7 +71,7 @@ def test_lookup_greedy_exact_and_raises_acceptance(tiny_checkpoint, monkeypatch,
     ids = [5, 17, 3, 9, 5, 17, 3, 9]
     ref = decode_ar(m, ids, 40, GREEDY, []).token_ids
     plain = SPDEngine(m, PdmDrafter(head), b).run(ids, 40, GREEDY, [])
-    hits = _count_lookups(monkeypatch)
+    hits = count_lookups(monkeypatch)
     seq = SPDEngine(m, PdmDrafter(head, lookup=2), b).run(ids, 40, GREEDY, [])
     pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(head, lookup=2), b), "simulated").run(ids, 40, GREEDY, [])
     assert plain.token_ids == seq.token_ids == pipe.token_ids == ref
@@ -87,7 +88,7 @@ def test_lookup_on_the_default_model_with_the_shipped_head(default_target, monke
     prompt = [{"role": "user", "content": "Repeat the word hello five times."}]
     ids = default_target.encode(prompt)
     ref = decode_ar(default_target.model, ids, 40, GREEDY, default_target.eos_ids).token_ids
-    hits = _count_lookups(monkeypatch)
+    hits = count_lookups(monkeypatch)
     assert eng.generate(prompt, 40).token_ids == ref
     assert sum(hits) > 5
 

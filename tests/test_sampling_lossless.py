@@ -119,17 +119,9 @@ def test_head_draft_temperature_scale_keeps_sampling_exact(small_model, scale):
 def test_context_lookup_keeps_sampling_exact(small_model, monkeypatch):
     """Lookup drafts carry a one-hot q (they are not drawn from the PDM's q); verification against
     that q keeps the output distribution the target's. lookup=1 fires often on 8 tokens."""
-    import spd_fast.drafters as drafters_mod
+    from test_lookup import count_lookups
 
-    hits = []
-    real = drafters_mod.lookup_next
-
-    def counting(tokens, p_new, k):
-        found, tok = real(tokens, p_new, k)
-        hits.append(int(found))
-        return found, tok
-
-    monkeypatch.setattr(drafters_mod, "lookup_next", counting)
+    hits = count_lookups(monkeypatch)
     params = SamplingParams(temperature=0.9)
     ar, _ = _samples(small_model, "ar", 1500, params)
     sp, eng = _samples(small_model, "spd", 1500, params, lookup=1)
