@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from spd_fast.config import DEFAULT_LOOKUP
+
 
 def main(argv: list[str] | None = None) -> int:
     from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed SEED+i (matters at temperature > 0)")
-    p.add_argument("--lookup", type=int, default=3, help="context lookup beside the PDM (0: the PDM alone)")
+    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
+                   help=f"context lookup beside the PDM (default {DEFAULT_LOOKUP}; 0: the PDM alone)")
     p.add_argument("--out", default="bench/results/acceptance")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
