@@ -46,6 +46,8 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
             pr = torch.softmax(logits, -1)
             top2 = pr.topk(2)
             tok = head.draft_vocab[top2.indices[0]]
+            full_logits = engine.model.lm_head(head.norm(h[0, -1])).float()   # every target token, frozen rows
+            tok_full = int(full_logits.argmax())
             ctx = st.tokens[:p_new + 1]
             cands = {}
             for k in KS:
@@ -57,7 +59,7 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
             full = torch.zeros(engine.model.cfg.vocab_size)
             full[head.draft_vocab] = pr
             cprob = {k: float(full[c]) for k, c in cands.items()}
-            self.rows.append({"p": p_new, "ctx": ctx.clone(), "pdm": int(tok), "conf": float(top2.values[0]),
+            self.rows.append({"p": p_new, "ctx": ctx.clone(), "pdm": int(tok), "pdm_full": tok_full, "conf": float(top2.values[0]),
                               "margin": float(top2.values[0] - top2.values[1]), "cands": cands, "cprob": cprob})
             return tok, None
 
@@ -88,6 +90,9 @@ def score(rows: list[dict]) -> None:
     N = len(rows)
     base = sum(r["pdm"] == r["truth"] for r in rows) / N
     print(f"{N} drafts with right context; PDM alone {base:.4f}")
+    if "pdm_full" in rows[0]:
+        print(f"  PDM over the whole target vocabulary (frozen LM-head rows): "
+              f"{sum(r['pdm_full'] == r['truth'] for r in rows) / N:.4f}")
     for k in KS:
         hit = [r for r in rows if k in r["cands"]]
         if hit:
