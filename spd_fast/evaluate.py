@@ -1,8 +1,9 @@
 """Acceptance evaluation on the project's held-out prompt sets (chat / math / code).
 
 For each n and temperature: acceptance_rate, tokens_per_cycle and equivalent_accept_length per
-category and overall, plus wall-clock SPD decode tokens/s and, for the first n, the AR baseline
-of the same model measured in the same run. Used by `spd-fast eval` and bench/eval_acceptance.py.
+category and overall, plus wall-clock SPD decode tokens/s and the AR baseline of the same model
+measured in the same run, and what the answers were like: their mean length and how much of them
+repeats earlier 4-grams (repeat_share). Used by `spd-fast eval` and bench/eval_acceptance.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,22 @@ from .config import DEFAULT_LOOKUP, SpdConfigError
 from .progress import bar
 
 CATEGORIES = ("chat", "math", "code")
-_SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok")
+_SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok", "answers", "new_tok", "rep", "rep_of")
+REPEAT_K = 4  # repeat_share's n-gram length
+
+
+def repeat_share(ids: Sequence[int], k: int = REPEAT_K) -> tuple[int, int]:
+    """(repeated, counted) over an answer's tokens from the k-th on: a token is repeated when the k-gram
+    that ends with it already ended at an earlier position of the same answer. A high share means
+    looping or copied text, which drafts (the context lookup above all) find easy; it depends on the
+    text only, so it is the same for SPD and AR at temperature 0."""
+    seen: set[tuple[int, ...]] = set()
+    rep = 0
+    for i in range(k - 1, len(ids)):
+        g = tuple(ids[i - k + 1:i + 1])
+        rep += g in seen
+        seen.add(g)
+    return rep, max(0, len(ids) - k + 1)
 
 
 def load_eval_prompts(categories: Sequence[str] = CATEGORIES, limit: int = 40) -> dict[str, list[dict]]:
@@ -44,12 +60,26 @@ def add_spd_metrics(acc: dict[str, float], m: dict[str, float], seconds_key: str
     acc[seconds_key] += m["decode_seconds"]
 
 
+def add_answer_stats(acc: dict[str, float], ids: Sequence[int]) -> None:
+    """Add one answer's length and repeat_share counts to a running sum."""
+    rep, of = repeat_share(ids)
+    acc["answers"] += 1
+    acc["new_tok"] += len(ids)
+    acc["rep"] += rep
+    acc["rep_of"] += of
+
+
 def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float]) -> dict[str, Any]:
     tpc = c["decoded"] / max(1, c["cycles"])
     row: dict[str, Any] = {"n": n, "temperature": temp, "category": cat, "prompts": prompts,
                            "acceptance_rate": c["acc"] / max(1, c["ver"]), "tokens_per_cycle": tpc,
                            "equivalent_accept_length": n * tpc,
-                           "spd_tokens_per_s": c["decoded"] / max(1e-9, c["spd_s"])}
+                           "spd_tokens_per_s": c["decoded"] / max(1e-9, c["spd_s"]),
+                           "mean_new_tokens": c["new_tok"] / max(1, c["answers"]),
+                           "answer_repeat_share": c["rep"] / max(1, c["rep_of"]),
+                           # raw counts, so rows of runs with other lengths or prompts can be pooled or differenced
+                           "verifications": int(c["ver"]), "accepted": int(c["acc"]), "cycles": int(c["cycles"]),
+                           "decoded_tokens": int(c["decoded"])}
     if c["ar_tok"]:
         row["ar_tokens_per_s"] = c["ar_tok"] / max(1e-9, c["ar_s"])
         row["speedup_vs_ar"] = row["spd_tokens_per_s"] / row["ar_tokens_per_s"]
@@ -90,6 +120,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                     msgs = [{"role": "user", "content": rec["prompt"]}]
                     o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=seed + i, method="spd")
                     add_spd_metrics(acc, o.metrics)
+                    add_answer_stats(acc, o.token_ids)
                     if with_ar:
                         if (temp, cat, i) not in ar_runs:
                             r = eng.generate(msgs, max_new_tokens, temperature=temp, seed=seed + i, method="ar")
@@ -120,13 +151,15 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| n | temp | category | acceptance | tokens/cycle | equiv. accept length | SPD tok/s | AR tok/s "
-             "| SPD/AR |", "|---|---|---|---|---|---|---|---|---|"]
+             "| SPD/AR | answer tokens | repeated 4-grams |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar = f"{r['ar_tokens_per_s']:.1f}" if "ar_tokens_per_s" in r else "not run"
         ratio = f"{r['speedup_vs_ar']:.2f}" if "speedup_vs_ar" in r else "not run"
+        length = f"{r['mean_new_tokens']:.0f}" if "mean_new_tokens" in r else "-"   # rows from older runs lack these
+        rep = f"{r['answer_repeat_share']:.3f}" if "answer_repeat_share" in r else "-"
         lines.append(f"| {r['n']} | {r['temperature']} | {r['category']} | {r['acceptance_rate']:.3f} | "
                      f"{r['tokens_per_cycle']:.3f} | {r['equivalent_accept_length']:.2f} | "
-                     f"{r['spd_tokens_per_s']:.1f} | {ar} | {ratio} |")
+                     f"{r['spd_tokens_per_s']:.1f} | {ar} | {ratio} | {length} | {rep} |")
     return "\n".join(lines)
 
 

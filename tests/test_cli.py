@@ -84,6 +84,27 @@ def test_eval_json_and_files(capsys, tmp_path):
     assert overall["prompts"] == 3 and "ar_tokens_per_s" in overall and "speedup_vs_ar" in overall
     assert (tmp_path / "acc.json").is_file() and "| overall |" in (tmp_path / "acc.md").read_text()
     assert res["meta"]["seed"] == 0
+    assert 1 <= overall["mean_new_tokens"] <= 4 and 0.0 <= overall["answer_repeat_share"] <= 1.0
+    assert overall["accepted"] == sum(r["accepted"] for r in res["rows"][:3])
+    assert overall["acceptance_rate"] == pytest.approx(overall["accepted"] / overall["verifications"])
+    assert "repeated 4-grams" in (tmp_path / "acc.md").read_text()
+
+
+def test_repeat_share_against_brute_force():
+    import random
+
+    from spd_fast.evaluate import repeat_share
+
+    assert repeat_share([1, 2, 3, 4, 1, 2, 3, 4, 1]) == (2, 6)   # 1234 2341 3412 4123, then 1234 2341 again
+    assert repeat_share([5, 5, 5, 5, 5, 5]) == (2, 3)
+    assert repeat_share([1, 2, 3]) == (0, 0)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+        k = rng.randrange(1, 5)
+        grams = [tuple(ids[i - k + 1:i + 1]) for i in range(k - 1, len(ids))]
+        want = sum(g in grams[:j] for j, g in enumerate(grams))
+        assert repeat_share(ids, k) == (want, len(grams))
 
 
 def test_eval_attaches_one_ar_run_to_every_n(monkeypatch):
