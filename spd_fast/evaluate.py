@@ -171,3 +171,98 @@ def write_results(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     js.write_text(json.dumps(result, indent=2))
     md.write_text(f"draft: {result['meta']['draft']}; {result['meta']}\n\n" + markdown_table(result["rows"]) + "\n")
     return js, md
+
+
+# ---- where acceptance comes from ------------------------------------------------------------------
+WINDOWS = (1, 64, 128, 256)  # answer-position windows start here: 1-63, 64-127, 128-255, 256 and later
+
+
+def window_label(a: int) -> str:
+    """The WINDOWS bucket of answer position a >= 1 (position 0 is the prefill's exact token)."""
+    i = max(j for j, w in enumerate(WINDOWS) if w <= a)
+    return f"answer tokens {WINDOWS[i]}-{WINDOWS[i + 1] - 1}" if i + 1 < len(WINDOWS) else f"answer tokens {WINDOWS[i]}+"
+
+
+class _RecordingDrafter:
+    """Wraps an engine's drafter and records every draft: (position, token, context, lookup fired)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rows: list[tuple[int, int, torch.Tensor, bool]] = []
+        self.prompt: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prefill(self, engine, st) -> None:
+        self.inner.prefill(engine, st)
+        self.prompt = st.tokens[:st.prompt_len].tolist()
+
+    def draft(self, engine, st, params, generator):
+        from .ops import lookup_next
+
+        tok, q = self.inner.draft(engine, st, params, generator)
+        p = int(st.p_new)
+        k = getattr(self.inner, "lookup", 0)
+        fired = bool(k) and p >= k and bool(lookup_next(st.tokens[:p + 1], st.p_new, k)[0])
+        self.rows.append((p + 1, int(tok), st.tokens[:p + 1].clone(), fired))
+        return tok, q
+
+
+def classify_verified(rows: Sequence[tuple[int, int, torch.Tensor, bool]], full: Sequence[int], prompt_len: int,
+                      k: int = REPEAT_K) -> list[dict[str, Any]]:
+    """The verified drafts of one greedy SPD run and their classes. A draft is verified exactly when it was
+    made in the right context (every token before it is in the final output) and its position holds an
+    output token; it was accepted iff it equals that token (temperature 0). Classes: the answer-position
+    window, whether the output token closes a k-gram seen earlier in the answer (repeat_share's rule),
+    and whether the context lookup made the draft."""
+    full_t = torch.tensor(list(full))
+    seen: set[tuple[int, ...]] = set()
+    repeated = {}
+    for j in range(prompt_len + k - 1, len(full)):
+        g = tuple(full[j - k + 1:j + 1])
+        repeated[j] = g in seen
+        seen.add(g)
+    out = []
+    for pos, tok, ctx, fired in rows:
+        if pos >= len(full) or pos < prompt_len + 1 or not torch.equal(ctx, full_t[:pos]):
+            continue
+        out.append({"pos": pos, "accepted": tok == full[pos], "window": window_label(pos - prompt_len),
+                    "repeated": repeated.get(pos, False), "lookup": fired})
+    return out
+
+
+def acceptance_breakdown(engine, prompts: dict[str, list[dict]], max_new_tokens: int,
+                         progress: bool = False) -> dict[str, Any]:
+    """Greedy SPD over `prompts` (category -> records) with `engine` (spd_fast.load), recording every
+    draft; returns verified/accepted counts per category and class (see classify_verified), and the
+    engine's own counts, which the recorded ones must equal."""
+    spd = engine.spd
+    rec = _RecordingDrafter(spd.drafter)
+    spd.drafter = rec
+    counts: dict[str, list[int]] = {}
+    engine_counts = [0, 0]
+
+    def add(key: str, ok: bool) -> None:
+        c = counts.setdefault(key, [0, 0])
+        c[0] += 1
+        c[1] += int(ok)
+
+    try:
+        for cat, ps in prompts.items():
+            for r in bar(ps, f"breakdown {cat}", enabled=progress):
+                rec.rows = []
+                o = engine.generate([{"role": "user", "content": r["prompt"]}], max_new_tokens, temperature=0.0,
+                                    method="spd")
+                full = rec.prompt + o.token_ids
+                engine_counts[0] += int(o.metrics["verifications"])
+                engine_counts[1] += int(o.metrics["accepted"])
+                for v in classify_verified(rec.rows, full, len(rec.prompt)):
+                    for key in ("overall", cat, v["window"], "repeated 4-gram" if v["repeated"] else "new 4-gram",
+                                "lookup draft" if v["lookup"] else "PDM draft"):
+                        add(key, v["accepted"])
+    finally:
+        spd.drafter = rec.inner
+    return {"counts": {k: {"verified": v[0], "accepted": v[1], "acceptance_rate": v[1] / max(1, v[0])}
+                       for k, v in counts.items()},
+            "engine": {"verifications": engine_counts[0], "accepted": engine_counts[1]}}
