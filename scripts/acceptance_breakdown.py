@@ -15,8 +15,10 @@ import time
 import warnings
 from pathlib import Path
 
-ORDER = ("overall", "chat", "math", "code", "answer tokens 1-63", "answer tokens 64-127", "answer tokens 128-255",
-         "answer tokens 256+", "new 4-gram", "repeated 4-gram", "PDM draft", "lookup draft")
+WINDOWS = ("answer tokens 1-63", "answer tokens 64-127", "answer tokens 128-255", "answer tokens 256+")
+ORDER = ("overall", "chat", "math", "code", *WINDOWS, "new 4-gram", "repeated 4-gram", "PDM draft", "lookup draft",
+         *(f"{w} / new 4-gram" for w in WINDOWS), *(f"{d} / {t}" for d in ("PDM draft", "lookup draft")
+                                                  for t in ("new 4-gram", "repeated 4-gram")))
 
 
 def main() -> int:

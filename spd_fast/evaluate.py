@@ -236,7 +236,8 @@ def acceptance_breakdown(engine, prompts: dict[str, list[dict]], max_new_tokens:
                          progress: bool = False) -> dict[str, Any]:
     """Greedy SPD over `prompts` (category -> records) with `engine` (spd_fast.load), recording every
     draft; returns verified/accepted counts per category and class (see classify_verified), and the
-    engine's own counts, which the recorded ones must equal."""
+    engine's own counts, which the recorded ones must equal. Keys "A / B" count the drafts in both classes
+    (answer window or drafter, by repeated or new 4-gram)."""
     spd = engine.spd
     rec = _RecordingDrafter(spd.drafter)
     spd.drafter = rec
@@ -258,8 +259,10 @@ def acceptance_breakdown(engine, prompts: dict[str, list[dict]], max_new_tokens:
                 engine_counts[0] += int(o.metrics["verifications"])
                 engine_counts[1] += int(o.metrics["accepted"])
                 for v in classify_verified(rec.rows, full, len(rec.prompt)):
-                    for key in ("overall", cat, v["window"], "repeated 4-gram" if v["repeated"] else "new 4-gram",
-                                "lookup draft" if v["lookup"] else "PDM draft"):
+                    text = "repeated 4-gram" if v["repeated"] else "new 4-gram"
+                    drafter = "lookup draft" if v["lookup"] else "PDM draft"
+                    for key in ("overall", cat, v["window"], text, drafter, f"{v['window']} / {text}",
+                                f"{drafter} / {text}"):
                         add(key, v["accepted"])
     finally:
         spd.drafter = rec.inner

@@ -39,4 +39,7 @@ def test_breakdown_counts_equal_the_engines(default_target):
                   ("answer tokens 1-63", "answer tokens 64-127")):
         assert sum(c[k]["verified"] for k in parts if k in c) == c["overall"]["verified"], parts
         assert sum(c[k]["accepted"] for k in parts if k in c) == c["overall"]["accepted"], parts
+    for cross in (("PDM draft / new 4-gram", "PDM draft / repeated 4-gram", "lookup draft / new 4-gram",
+                   "lookup draft / repeated 4-gram"),):
+        assert sum(c[k]["verified"] for k in cross if k in c) == c["overall"]["verified"]
     assert c["lookup draft"]["verified"] > 0                 # the repeating prompt makes the lookup fire
