@@ -330,9 +330,12 @@ def test_report_with_no_results(tmp_path):
 def test_acceptance_table_says_when_the_ar_baseline_did_not_run():
     from spd_fast.evaluate import _row, markdown_table
 
-    c = {"acc": 3, "ver": 4, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0}
+    c = {"acc": 3, "ver": 4, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
+         "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
     no_ar = markdown_table([_row(3, 0.0, "math", 2, c)]).splitlines()[-1]
-    assert no_ar.endswith("| not run | not run |") and "nan" not in no_ar
+    assert no_ar.endswith("| not run | not run | 4 | 0.250 |") and "nan" not in no_ar
     assert "| 0.750 | 0.625 | 1.88 | 5.0 |" in no_ar
     with_ar = markdown_table([_row(3, 0.0, "math", 2, dict(c, ar_tok=10, ar_s=1.0))]).splitlines()[-1]
-    assert with_ar.endswith("| 5.0 | 10.0 | 0.50 |")
+    assert with_ar.endswith("| 5.0 | 10.0 | 0.50 | 4 | 0.250 |")
+    old = {k: v for k, v in _row(3, 0.0, "math", 2, c).items() if k not in ("mean_new_tokens", "answer_repeat_share")}
+    assert markdown_table([old]).splitlines()[-1].endswith("| not run | not run | - | - |")  # rows of older runs
