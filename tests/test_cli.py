@@ -208,6 +208,42 @@ def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):
     assert rc == 2 and "missing.jsonl does not exist" in err
 
 
+def test_train_data_jsonl_gz_reads_like_jsonl(tmp_path):
+    import gzip
+
+    from spd_fast.train.data import text_file_samples
+
+    plain = _tiny_data(tmp_path / "d.jsonl")
+    packed = tmp_path / "d2.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    rows = list(text_file_samples(plain, target=None))
+    assert len(rows) == 4 and list(text_file_samples(packed, target=None)) == rows
+
+
+def test_train_refuses_other_compressed_data(capsys, tmp_path, tiny_checkpoint):
+    bad = tmp_path / "d.txt.gz"
+    bad.write_bytes(b"\x1f\x8b not text")
+    rc, _, err = run_cli(["train", "--model", tiny_checkpoint("llama"), "--out", str(tmp_path / "o"),
+                          "--data", str(bad)], capsys)
+    assert rc == 2 and "d.txt.gz: only .jsonl.gz is read compressed; decompress it first" in err
+
+
+def test_committed_self_distillation_data_is_readable():
+    """data/self_distill/*.jsonl.gz: rows the trainer takes as they are, none with an eval prompt."""
+    from spd_fast.train.data import PROMPTS_DIR, read_jsonl
+
+    root = Path(__file__).resolve().parents[1] / "data" / "self_distill"
+    files = sorted(root.glob("*.jsonl.gz"))
+    assert files, f"no data files in {root}"
+    held_out = {r["prompt"] for c in ("chat", "math", "code") for r in read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")}
+    for f in files:
+        rows = read_jsonl(f)
+        assert len(rows) > 500, f
+        for r in rows:
+            assert r["prompt_ids"] and 0 < len(r["response_ids"]) <= 256 and r["prompt"] not in held_out
+            assert all(0 <= t < 49152 for t in r["prompt_ids"] + r["response_ids"])
+
+
 # ---- argument errors -----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     pytest.param(["generate"], "give a prompt", id="no-prompt"),

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the head's own LM-head rows (initialised from the target's) instead of sharing the "
                         "target's frozen rows: more capacity at no inference cost, V_d x H more weights stored")
     p.add_argument("--data", action="append", default=[],
-                   help="training data: 'self-distill' (default) or a .jsonl/.txt/.parquet file; repeatable")
+                   help="training data: 'self-distill' (default) or a .jsonl/.jsonl.gz/.txt/.parquet file; repeatable")
     p.add_argument("--prompts", help="prompt set for self-distillation (default: the project's train.jsonl)")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--gen-max-new-tokens", type=int, default=128)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.txt/.parquet); repeatable")
+    p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.txt/.parquet); repeatable")
     p.add_argument("--val-limit", type=int, default=140, help="use at most this many samples")
     p.add_argument("--temperatures", type=_floats, default=list(DEFAULT_TEMPERATURES))
     p.add_argument("--scales", type=_floats, default=list(DEFAULT_SCALES))
