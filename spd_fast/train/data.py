@@ -96,21 +96,6 @@ def self_written_prompts(target: Target, openers: list[str], max_tokens: int = 6
     return out
 
 
-def _jsonl_samples(path: Path, stem: str, target: Target) -> Iterator[dict]:
-    for i, rec in enumerate(read_jsonl(path)):
-        if "prompt_ids" in rec:
-            yield rec
-        elif "messages" in rec:
-            msgs = rec["messages"]
-            ids_prompt = target.tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
-            ids_full = target.tokenizer.apply_chat_template(msgs, tokenize=True)
-            ids_prompt = list(ids_prompt["input_ids"] if isinstance(ids_prompt, dict) else ids_prompt)
-            ids_full = list(ids_full["input_ids"] if isinstance(ids_full, dict) else ids_full)
-            yield {"id": f"{stem}-{i}", "prompt_ids": ids_prompt, "response_ids": ids_full[len(ids_prompt):]}
-        elif "text" in rec:
-            yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
-
-
 def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     """Local data: .jsonl with {"messages": [...]} (chat; loss on assistant turns) or {"text": ...},
     or a plain .txt file (one sample per blank-line-separated block). A .jsonl.gz file is read as .jsonl;
@@ -118,14 +103,23 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     from ..config import SpdConfigError
 
     path = Path(path)
-    if path.name.endswith(".jsonl.gz"):
-        yield from _jsonl_samples(path, path.name[: -len(".jsonl.gz")], target)
-        return
-    if path.suffix in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
+        for i, rec in enumerate(read_jsonl(path)):
+            if "prompt_ids" in rec:
+                yield rec
+            elif "messages" in rec:
+                msgs = rec["messages"]
+                ids_prompt = target.tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
+                ids_full = target.tokenizer.apply_chat_template(msgs, tokenize=True)
+                ids_prompt = list(ids_prompt["input_ids"] if isinstance(ids_prompt, dict) else ids_prompt)
+                ids_full = list(ids_full["input_ids"] if isinstance(ids_full, dict) else ids_full)
+                yield {"id": f"{stem}-{i}", "prompt_ids": ids_prompt, "response_ids": ids_full[len(ids_prompt):]}
+            elif "text" in rec:
+                yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
+    elif path.suffix in (".gz", ".bz2", ".xz", ".zst", ".zip"):
         raise SpdConfigError(f"data file {path}: only .jsonl.gz is read compressed; decompress it first "
                              "(or gzip a .jsonl file)")
-    if path.suffix == ".jsonl":
-        yield from _jsonl_samples(path, path.stem, target)
     elif path.suffix == ".parquet":
         import pandas as pd  # optional: only needed for parquet input
 
