@@ -229,19 +229,25 @@ def test_train_refuses_other_compressed_data(capsys, tmp_path, tiny_checkpoint):
 
 
 def test_committed_self_distillation_data_is_readable():
-    """data/self_distill/*.jsonl.gz: rows the trainer takes as they are, none with an eval prompt."""
+    """data/self_distill/*.jsonl.gz: rows the trainer takes as they are, none with an eval prompt, and
+    the validation file (val_*) shares no prompt with the training files (magpie_*)."""
     from spd_fast.train.data import PROMPTS_DIR, read_jsonl
 
     root = Path(__file__).resolve().parents[1] / "data" / "self_distill"
-    files = sorted(root.glob("*.jsonl.gz"))
-    assert files, f"no data files in {root}"
+    train_files, val_files = sorted(root.glob("magpie_*.jsonl.gz")), sorted(root.glob("val_*.jsonl.gz"))
+    assert train_files and val_files and len(train_files) + len(val_files) == len(list(root.glob("*.jsonl.gz")))
     held_out = {r["prompt"] for c in ("chat", "math", "code") for r in read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")}
-    for f in files:
+    prompts = {}
+    for f in train_files + val_files:
         rows = read_jsonl(f)
-        assert len(rows) > 500, f
+        assert len(rows) > (500 if f in train_files else 50), f
         for r in rows:
             assert r["prompt_ids"] and 0 < len(r["response_ids"]) <= 256 and r["prompt"] not in held_out
             assert all(0 <= t < 49152 for t in r["prompt_ids"] + r["response_ids"])
+        prompts[f] = {r["prompt"] for r in rows}
+    trained = set().union(*(prompts[f] for f in train_files))
+    for f in val_files:
+        assert not prompts[f] & trained, f"{f.name} repeats training prompts"
 
 
 # ---- argument errors -----------------------------------------------------------------------------

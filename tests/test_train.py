@@ -107,6 +107,18 @@ def test_validation_scores_held_out_data_and_keeps_the_best_head(tiny_checkpoint
         _, direct = tr.loss(*collate(held, 64), fill=None)
     v = tr.validate(held, batch_size=len(held))
     assert v["val_tokens"] == direct["tokens"] and abs(v["val_top1"] - direct["top1"]) < 1e-6
+    # by answer position: every held-out answer row lands in exactly one bucket (V_d is the whole toy
+    # vocabulary, so every assistant row counts), and the buckets average back to the overall top-1
+    pv = tr.validate(held, batch_size=4, pos_edges=(3, 6))
+    want = {"0-2": 0, "3-5": 0, "6+": 0}
+    for smp in held:
+        for j in range(min(len(smp["prompt_ids"]) + len(smp["response_ids"]), 64) - len(smp["prompt_ids"])):
+            want["0-2" if j < 3 else "3-5" if j < 6 else "6+"] += 1
+    assert pv["val_tokens_by_pos"] == {k: c for k, c in want.items() if c} and len(pv["val_tokens_by_pos"]) == 3
+    mean = sum(pv["val_top1_by_pos"][k] * c for k, c in pv["val_tokens_by_pos"].items()) / pv["val_tokens"]
+    assert mean == pytest.approx(v["val_top1"], abs=1e-6)
+    assert vals[-1]["val_tokens_by_pos"] and set(vals[-1]["val_top1_by_pos"]) <= {"0-63", "64-127", "128-191",
+                                                                              "192-255", "256+"}
     best = json.loads((tmp_path / "run" / "best_head" / "val.json").read_text())
     top = max(x["val_top1"] for x in vals)  # logged rounded to 4 digits
     assert best["val_top1"] == pytest.approx(top, abs=1e-4)

@@ -76,6 +76,10 @@ def _layer_train(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     return y + layer.mlp(layer.mlp_norm(y))
 
 
+# answer-position buckets of the validation report: [0, 64), [64, 128), [128, 192), [192, 256), [256, ...)
+VAL_POS_EDGES = (64, 128, 192, 256)
+
+
 class PdmTrainer:
     def __init__(self, target: Transformer, head: DraftHead, cfg: TrainConfig):
         self.target, self.head, self.cfg = target, head, cfg
@@ -136,10 +140,12 @@ class PdmTrainer:
         return self._w_dv
 
     def loss(self, ids: torch.Tensor, lens: torch.Tensor, loss_mask: torch.Tensor, fill: int | None,
-             cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None,
+             pos_edges: Sequence[int] = ()) -> tuple[torch.Tensor, dict]:
         """`cached` = (states [B, T, k, H], full-vocabulary target argmax [B, T], recorded layers) from
-        the feature cache; without it the teacher runs live."""
+        the feature cache; without it the teacher runs live. With `pos_edges` (e.g. 64, 128), the stats
+        also hold "by_pos": [agreeing rows, rows] per answer-position bucket [0, 64), [64, 128), [128, ...),
+        answer position 0 being the row that predicts the first answer token."""
         head, B, T = self.head, ids.shape[0], ids.shape[1]
         if cached is None:
             anchors, t_logp_all, t_arg = self.teacher(ids, lens)
@@ -165,8 +171,13 @@ class PdmTrainer:
             ent = -(p_t * t_logp).sum()
         loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
         kl = (ce.detach() - ent) / denom
-        agree = (head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]).float().sum() / denom
-        return loss, {"loss": float(kl), "top1": float(agree), "tokens": float(sel.numel())}
+        ok = head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]
+        stats = {"loss": float(kl), "top1": float(ok.float().sum() / denom), "tokens": float(sel.numel())}
+        if pos_edges:
+            first = loss_mask.int().argmax(1)  # each sample's first loss row (its last prompt token)
+            bucket = torch.bucketize(sel % T - first[sel // T], torch.tensor(list(pos_edges)), right=True)
+            stats["by_pos"] = [(int(ok[bucket == i].sum()), int((bucket == i).sum())) for i in range(len(pos_edges) + 1)]
+        return loss, stats
 
     def student_logits(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
                        sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,24 +219,38 @@ class PdmTrainer:
         return stats
 
     @torch.no_grad()
-    def validate(self, samples: Sequence[dict], batch_size: int = 8) -> dict[str, float]:
+    def validate(self, samples: Sequence[dict], batch_size: int = 8,
+                 pos_edges: Sequence[int] = VAL_POS_EDGES) -> dict:
         """KL and top-1 agreement with the target at full fill (the steady state of the pipeline) on
-        held-out samples, teacher run live; weighted by loss rows."""
+        held-out samples, teacher run live; weighted by loss rows. "val_top1_by_pos" splits the
+        top-1 by answer position (buckets cut at `pos_edges`, e.g. "0-63", "64-127", "256+"; empty
+        buckets left out), since a head trained on short answers loses agreement late in long ones."""
         was_training = self.head.training
         self.head.eval()
         kl = agree = rows = 0.0
+        by_pos = [[0, 0] for _ in range(len(pos_edges) + 1)]
         try:
             for i in range(0, len(samples), batch_size):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                    _, st = self.loss(*collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len), fill=None)
+                    _, st = self.loss(*collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len), fill=None,
+                                      pos_edges=pos_edges)
                 kl += st["loss"] * st["tokens"]
                 agree += st["top1"] * st["tokens"]
                 rows += st["tokens"]
+                for acc, (a, c) in zip(by_pos, st.get("by_pos", ())):
+                    acc[0] += a
+                    acc[1] += c
         finally:
             self.head.train(was_training)
             self.target.free_caches()  # the live teacher sized them for this batch
         rows = max(rows, 1.0)
-        return {"val_loss": kl / rows, "val_top1": agree / rows, "val_tokens": rows}
+        out = {"val_loss": kl / rows, "val_top1": agree / rows, "val_tokens": rows}
+        if pos_edges:
+            lo = [0, *pos_edges]
+            names = [f"{a}-{b - 1}" for a, b in zip(lo, pos_edges)] + [f"{pos_edges[-1]}+"]
+            out["val_top1_by_pos"] = {n: a / c for n, (a, c) in zip(names, by_pos) if c}
+            out["val_tokens_by_pos"] = {n: c for n, (_, c) in zip(names, by_pos) if c}
+        return out
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, out: Path) -> None:
@@ -308,7 +333,8 @@ def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) 
     if improved:
         trainer.head.save(out / "best_head")
         best_f.write_text(json.dumps(dict(v, step=trainer.step)))
-    log(json.dumps({"step": trainer.step, **{k: round(x, 4) for k, x in v.items()}, "best": improved}))
+    rounded = {k: ({b: round(y, 4) for b, y in x.items()} if isinstance(x, dict) else round(x, 4)) for k, x in v.items()}
+    log(json.dumps({"step": trainer.step, **rounded, "best": improved}))
 
 
 def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
