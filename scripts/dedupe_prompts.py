@@ -6,20 +6,34 @@ scripts/self_distill_magpie.py to the shipped head's data without training twice
 
     python3 scripts/dedupe_prompts.py runs/sd_magpie_s2.jsonl --exclude runs/sd_magpie.jsonl \
         --out runs/sd_magpie_s2_train.jsonl
+
+Any file named *.gz (input, exclude or --out) is read or written gzip-compressed, like
+data/self_distill/*.jsonl.gz.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+
+
+def _open(path: str, mode: str = "r"):
+    """Text-mode open; gzip for *.gz."""
+    return gzip.open(path, mode + "t", encoding="utf-8") if path.endswith(".gz") else open(path, mode, encoding="utf-8")
 
 
 def dedupe(inputs: list[str], exclude: list[str], out: str) -> tuple[int, int]:
     """Write the new rows of `inputs` to `out`; return (rows read, rows kept)."""
-    seen = {json.loads(line).get("prompt") for f in exclude for line in open(f)}
+    seen = set()
+    for f in exclude:
+        with _open(f) as fh:
+            seen.update(json.loads(line).get("prompt") for line in fh)
     read = kept = 0
-    with open(out, "w") as fh:
+    with _open(out, "w") as fh:
         for f in inputs:
-            for row, line in enumerate(open(f), 1):
+            with _open(f) as src:
+                lines = list(src)
+            for row, line in enumerate(lines, 1):
                 read += 1
                 prompt = json.loads(line).get("prompt")
                 if prompt is None:

@@ -417,6 +417,22 @@ def test_dedupe_prompts_drops_excluded_and_repeated_prompts(tmp_path):
     assert json.loads(r.stdout) == {"read": 7, "kept": 3, "dropped": 4, "out": "out.jsonl"}
 
 
+def test_dedupe_prompts_reads_and_writes_gzip(tmp_path):
+    import gzip
+    import json
+    rows = lambda *ps: "".join(json.dumps({"prompt": p, "response_ids": [i]}) + "\n" for i, p in enumerate(ps))
+    with gzip.open(tmp_path / "old.jsonl.gz", "wt") as fh:
+        fh.write(rows("a"))
+    (tmp_path / "other.jsonl").write_text(rows("z"))
+    with gzip.open(tmp_path / "new.jsonl.gz", "wt") as fh:
+        fh.write(rows("a", "b", "z", "c"))
+    r = _run_dedupe(tmp_path, "new.jsonl.gz", "--exclude", "old.jsonl.gz", "other.jsonl", "--out", "out.jsonl.gz")
+    assert r.returncode == 0, r.stderr
+    with gzip.open(tmp_path / "out.jsonl.gz", "rt") as fh:
+        assert [json.loads(line)["prompt"] for line in fh] == ["b", "c"]
+    assert json.loads(r.stdout)["kept"] == 2
+
+
 def test_dedupe_prompts_names_a_file_without_prompts(tmp_path):
     (tmp_path / "ok.jsonl").write_text('{"prompt": "a", "response_ids": [1]}\n{"prompt": "c", "response_ids": [1]}\n')
     (tmp_path / "ids.jsonl").write_text('{"prompt": "b", "response_ids": [2]}\n{"prompt_ids": [1, 2], "response_ids": [3]}\n')
