@@ -32,17 +32,16 @@ def dedupe(inputs: list[str], exclude: list[str], out: str) -> tuple[int, int]:
     with _open(out, "w") as fh:
         for f in inputs:
             with _open(f) as src:
-                lines = list(src)
-            for row, line in enumerate(lines, 1):
-                read += 1
-                prompt = json.loads(line).get("prompt")
-                if prompt is None:
-                    raise SystemExit(f"{f}: row {row} has no 'prompt' field; "
-                                     "give the jsonl written by a self_distill script")
-                if prompt not in seen:
-                    seen.add(prompt)
-                    fh.write(line)
-                    kept += 1
+                for row, line in enumerate(src, 1):
+                    read += 1
+                    prompt = json.loads(line).get("prompt")
+                    if prompt is None:
+                        raise SystemExit(f"{f}: row {row} has no 'prompt' field; "
+                                         "give the jsonl written by a self_distill script")
+                    if prompt not in seen:
+                        seen.add(prompt)
+                        fh.write(line)
+                        kept += 1
     return read, kept
 
 

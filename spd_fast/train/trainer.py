@@ -176,7 +176,9 @@ class PdmTrainer:
         if pos_edges:
             first = loss_mask.int().argmax(1)  # each sample's first loss row (its last prompt token)
             bucket = torch.bucketize(sel % T - first[sel // T], torch.tensor(list(pos_edges)), right=True)
-            stats["by_pos"] = [(int(ok[bucket == i].sum()), int((bucket == i).sum())) for i in range(len(pos_edges) + 1)]
+            k = len(pos_edges) + 1
+            hits = torch.bincount(bucket, weights=ok.double(), minlength=k).long().tolist()
+            stats["by_pos"] = list(zip(hits, torch.bincount(bucket, minlength=k).tolist()))
         return loss, stats
 
     def student_logits(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
