@@ -68,6 +68,34 @@ def test_training_lowers_loss_and_raises_agreement(tiny_checkpoint):
     assert s1["top1"] > s0["top1"] + 0.1
 
 
+def test_argmax_weight_adds_the_hard_label_cross_entropy(tiny_checkpoint):
+    """--argmax-weight w: loss = soft-target CE + w * CE on the teacher's argmax; the KL stat is unchanged."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 8)
+    dcfg = DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 1, 40)  # a draft vocabulary smaller than the vocabulary
+    head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m)
+    batch = collate(data, 64)
+    soft = PdmTrainer(m, head, TrainConfig(fill_aug=0.0))
+    hard = PdmTrainer(m, head, TrainConfig(fill_aug=0.0, argmax_weight=0.5))
+    with torch.no_grad():
+        l0, s0 = soft.loss(*batch, fill=None)
+        l1, s1 = hard.loss(*batch, fill=None)
+        ids, lens, mask = batch
+        anchors, t_logp, t_arg = soft.teacher(ids, lens)
+        sel = (mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
+        s_logits, _ = soft.student_logits(anchors, lens, None, sel)
+        # the target's argmax token, as an index into the draft vocabulary
+        want = torch.searchsorted(head.draft_vocab, t_arg.reshape(-1)[sel])
+        assert torch.equal(head.draft_vocab[want], t_arg.reshape(-1)[sel])
+        ce_hard = F.cross_entropy(s_logits, want)
+    assert 0 < sel.numel() < mask.sum()  # some loss rows fall outside the draft vocabulary
+    torch.testing.assert_close(l1 - l0, 0.5 * ce_hard)
+    assert s1["loss"] == s0["loss"] and s1["top1"] == s0["top1"]
+
+
 def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--fill-aug", type=float, default=0.5)
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="add this times the cross-entropy on the target's argmax token to the KL loss "
+                        "(weights greedy agreement above matching the whole distribution)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16; "
                    "emulated and slower than fp32 on other CPUs, which get a warning)")
     p.add_argument("--save-every", type=int, default=50)
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))
         cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
                           max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, seed=a.seed, bf16=a.bf16,
-                          save_every=a.save_every, weight_decay=a.weight_decay)
+                          save_every=a.save_every, weight_decay=a.weight_decay,
+                          argmax_weight=a.argmax_weight)
         t0 = time.perf_counter()
         train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
               resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init,

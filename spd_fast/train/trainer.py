@@ -34,6 +34,7 @@ class TrainConfig:
     max_seq_len: int = 512
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    argmax_weight: float = 0.0      # adds this times the cross-entropy on the target's argmax (greedy acceptance)
     fill_aug: float = 0.5           # probability of a step with a random fill f in [1, n-1]
     seed: int = 0
     bf16: bool = False              # autocast the head (and teacher) to bf16
@@ -170,6 +171,10 @@ class PdmTrainer:
         with torch.no_grad():
             ent = -(p_t * t_logp).sum()
         loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
+        if self.cfg.argmax_weight > 0 and sel.numel():
+            # hard-label term: what greedy verification checks is the argmax, which the selected rows
+            # have inside the draft vocabulary, so it is the argmax of the restricted teacher as well
+            loss = loss + self.cfg.argmax_weight * F.cross_entropy(s_logits, t_logp.argmax(-1))
         kl = (ce.detach() - ent) / denom
         ok = head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]
         stats = {"loss": float(kl), "top1": float(ok.float().sum() / denom), "tokens": float(sel.numel())}
