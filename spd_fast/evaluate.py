@@ -21,6 +21,44 @@ from .progress import bar
 CATEGORIES = ("chat", "math", "code")
 _SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok", "answers", "new_tok", "rep", "rep_of")
 REPEAT_K = 4  # repeat_share's n-gram length
+BOOTSTRAP_REPS = 2000
+
+
+def _resampled_rates(pairs: Sequence[Sequence[float]], idx: torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(pairs, dtype=torch.float64)
+    return t[idx, 1].sum(-1) / t[idx, 0].sum(-1).clamp(min=1)
+
+
+def _bootstrap_index(count: int, reps: int, seed: int) -> torch.Tensor:
+    return torch.randint(count, (reps, count), generator=torch.Generator().manual_seed(seed))
+
+
+def acceptance_ci(pairs: Sequence[Sequence[float]], level: float = 0.95, reps: int = BOOTSTRAP_REPS,
+                  seed: int = 0) -> tuple[float, float]:
+    """Bootstrap confidence interval of the pooled acceptance rate over prompts. `pairs` holds one
+    (verifications, accepted) per prompt; whole prompts are resampled, since the verifications of one
+    answer are not independent (a binomial interval over verifications would be too narrow)."""
+    if not pairs:
+        raise SpdConfigError("acceptance_ci needs at least one prompt's (verifications, accepted)")
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(_resampled_rates(pairs, _bootstrap_index(len(pairs), reps, seed)), q).tolist()
+    return lo, hi
+
+
+def paired_difference(base: Sequence[Sequence[float]], new: Sequence[Sequence[float]], level: float = 0.95,
+                      reps: int = BOOTSTRAP_REPS, seed: int = 0) -> dict[str, float]:
+    """new minus base acceptance on the SAME prompts (index i is one prompt in both), with a paired
+    bootstrap interval: each resample draws prompt indices once and scores both runs on them, so the
+    prompt-to-prompt spread, which both runs share, cancels."""
+    if len(base) != len(new) or not base:
+        raise SpdConfigError(f"a paired comparison needs the same prompts in both runs, got {len(base)} and "
+                             f"{len(new)} prompts; run both evaluations with the same --limit and categories")
+    idx = _bootstrap_index(len(base), reps, seed)
+    d = _resampled_rates(new, idx) - _resampled_rates(base, idx)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(d, q).tolist()
+    rate = lambda p: sum(x[1] for x in p) / max(1, sum(x[0] for x in p))  # noqa: E731
+    return {"base": rate(base), "new": rate(new), "difference": rate(new) - rate(base), "ci_low": lo, "ci_high": hi}
 
 
 def repeat_share(ids: Sequence[int], k: int = REPEAT_K) -> tuple[int, int]:
@@ -69,7 +107,8 @@ def add_answer_stats(acc: dict[str, float], ids: Sequence[int]) -> None:
     acc["rep_of"] += of
 
 
-def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float]) -> dict[str, Any]:
+def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float],
+         per_prompt: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
     tpc = c["decoded"] / max(1, c["cycles"])
     row: dict[str, Any] = {"n": n, "temperature": temp, "category": cat, "prompts": prompts,
                            "acceptance_rate": c["acc"] / max(1, c["ver"]), "tokens_per_cycle": tpc,
@@ -80,6 +119,11 @@ def _row(n: int, temp: float, cat: str, prompts: int, c: dict[str, float]) -> di
                            # raw counts, so rows of runs with other lengths or prompts can be pooled or differenced
                            "verifications": int(c["ver"]), "accepted": int(c["acc"]), "cycles": int(c["cycles"]),
                            "decoded_tokens": int(c["decoded"])}
+    if per_prompt:
+        # one [verifications, accepted] per prompt, in prompt order: the bootstrap interval, and a paired
+        # comparison of two runs on the same prompts (bench/compare_acceptance.py)
+        row["per_prompt"] = [[int(v), int(k)] for v, k in per_prompt]
+        row["acceptance_ci95"] = list(acceptance_ci(per_prompt))
     if c["ar_tok"]:
         row["ar_tokens_per_s"] = c["ar_tok"] / max(1e-9, c["ar_s"])
         row["speedup_vs_ar"] = row["spd_tokens_per_s"] / row["ar_tokens_per_s"]
@@ -113,13 +157,15 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                                 progress=progress, lookup=lookup)
         sources.append(eng.draft_source)
         for temp in temperatures:
-            per_cat = {}
+            per_cat, per_prompt = {}, {}
             for cat, ps in prompts.items():
                 acc = dict.fromkeys(_SUMS, 0.0)
+                pp = per_prompt[cat] = []
                 for i, rec in enumerate(bar(ps, f"eval n={n} T={temp} {cat}", enabled=progress)):
                     msgs = [{"role": "user", "content": rec["prompt"]}]
                     o = eng.generate(msgs, max_new_tokens, temperature=temp, seed=seed + i, method="spd")
                     add_spd_metrics(acc, o.metrics)
+                    pp.append((o.metrics["verifications"], o.metrics["accepted"]))
                     add_answer_stats(acc, o.token_ids)
                     if with_ar:
                         if (temp, cat, i) not in ar_runs:
@@ -136,7 +182,8 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             tot = {k: sum(c[k] for c in per_cat.values()) for k in _SUMS}
             for cat, c in list(per_cat.items()) + [("overall", tot)]:
                 count = len(prompts[cat]) if cat in prompts else sum(len(v) for v in prompts.values())
-                row = _row(n, temp, cat, count, c)
+                pp = per_prompt[cat] if cat in per_prompt else [x for v in per_prompt.values() for x in v]
+                row = _row(n, temp, cat, count, c, pp)
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -151,15 +198,17 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| n | temp | category | acceptance | tokens/cycle | equiv. accept length | SPD tok/s | AR tok/s "
-             "| SPD/AR | answer tokens | repeated 4-grams |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| SPD/AR | answer tokens | repeated 4-grams | acceptance 95% CI |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar = f"{r['ar_tokens_per_s']:.1f}" if "ar_tokens_per_s" in r else "not run"
         ratio = f"{r['speedup_vs_ar']:.2f}" if "speedup_vs_ar" in r else "not run"
         length = f"{r['mean_new_tokens']:.0f}" if "mean_new_tokens" in r else "-"   # rows from older runs lack these
         rep = f"{r['answer_repeat_share']:.3f}" if "answer_repeat_share" in r else "-"
+        ci = "{:.3f}-{:.3f}".format(*r["acceptance_ci95"]) if "acceptance_ci95" in r else "-"
         lines.append(f"| {r['n']} | {r['temperature']} | {r['category']} | {r['acceptance_rate']:.3f} | "
                      f"{r['tokens_per_cycle']:.3f} | {r['equivalent_accept_length']:.2f} | "
-                     f"{r['spd_tokens_per_s']:.1f} | {ar} | {ratio} | {length} | {rep} |")
+                     f"{r['spd_tokens_per_s']:.1f} | {ar} | {ratio} | {length} | {rep} | {ci} |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from spd_fast.__main__ import main
+from spd_fast.config import SpdConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "tokens_per_second", "new_tokens",
@@ -375,9 +376,94 @@ def test_acceptance_table_says_when_the_ar_baseline_did_not_run():
     c = {"acc": 3, "ver": 4, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
          "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
     no_ar = markdown_table([_row(3, 0.0, "math", 2, c)]).splitlines()[-1]
-    assert no_ar.endswith("| not run | not run | 4 | 0.250 |") and "nan" not in no_ar
+    assert no_ar.endswith("| not run | not run | 4 | 0.250 | - |") and "nan" not in no_ar
     assert "| 0.750 | 0.625 | 1.88 | 5.0 |" in no_ar
     with_ar = markdown_table([_row(3, 0.0, "math", 2, dict(c, ar_tok=10, ar_s=1.0))]).splitlines()[-1]
-    assert with_ar.endswith("| 5.0 | 10.0 | 0.50 | 4 | 0.250 |")
+    assert with_ar.endswith("| 5.0 | 10.0 | 0.50 | 4 | 0.250 | - |")
     old = {k: v for k, v in _row(3, 0.0, "math", 2, c).items() if k not in ("mean_new_tokens", "answer_repeat_share")}
-    assert markdown_table([old]).splitlines()[-1].endswith("| not run | not run | - | - |")  # rows of older runs
+    assert markdown_table([old]).splitlines()[-1].endswith("| not run | not run | - | - | - |")  # rows of older runs
+    # with per-prompt counts the row carries them and a bootstrap interval around the pooled rate
+    r = _row(3, 0.0, "math", 2, c, [(1, 1), (3, 2)])
+    assert r["per_prompt"] == [[1, 1], [3, 2]]
+    lo, hi = r["acceptance_ci95"]
+    assert 0.5 <= lo <= r["acceptance_rate"] <= hi <= 1.0
+    assert markdown_table([r]).splitlines()[-1].endswith(f"| {lo:.3f}-{hi:.3f} |")
+
+
+# ---- acceptance intervals and bench/compare_acceptance.py ------------------------------------------
+def test_acceptance_ci_resamples_prompts():
+    from spd_fast.evaluate import acceptance_ci
+
+    same = [(10, 6)] * 30  # every prompt alike: no spread between prompts, a zero-width interval
+    assert acceptance_ci(same) == pytest.approx((0.6, 0.6))
+    mixed = [(10, 2), (10, 9)] * 15
+    lo, hi = acceptance_ci(mixed)
+    assert lo < 0.55 < hi and hi - lo > 0.1
+    lo4, hi4 = acceptance_ci(mixed * 4)  # four times the prompts: about half the width
+    assert 0.35 < (hi4 - lo4) / (hi - lo) < 0.65
+    assert acceptance_ci(mixed, seed=1) != (lo, hi) and acceptance_ci(mixed) == (lo, hi)  # seeded
+    with pytest.raises(SpdConfigError, match="at least one prompt"):
+        acceptance_ci([])
+
+
+def test_paired_difference_cancels_the_shared_prompt_spread():
+    from spd_fast.evaluate import acceptance_ci, paired_difference
+
+    base = [(20, 4), (20, 18)] * 15                   # prompts differ a lot from each other
+    new = [(20, v + 1) for _, v in base]              # the new head accepts one more draft on every prompt
+    d = paired_difference(base, new)
+    assert d["difference"] == pytest.approx(0.05)
+    assert 0 < d["ci_low"] <= 0.05 <= d["ci_high"] < 0.1   # paired: the gain is resolved
+    lo_b, hi_b = acceptance_ci(base)
+    lo_n, hi_n = acceptance_ci(new)
+    assert lo_n < hi_b                                # unpaired, the two intervals overlap
+    swapped = paired_difference(new, base)
+    assert swapped["difference"] == pytest.approx(-0.05) and swapped["ci_high"] < 0
+    with pytest.raises(SpdConfigError, match="same prompts in both runs, got 30 and 29"):
+        paired_difference(base, new[:-1])
+
+
+def _compare_module():
+    spec = importlib.util.spec_from_file_location("bench_compare", REPO / "bench" / "compare_acceptance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compare_acceptance_script(tmp_path, capsys):
+    from spd_fast.evaluate import _row
+
+    c = {"acc": 0, "ver": 0, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
+         "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
+    meta = {"limit": 2, "max_new_tokens": 8, "categories": ["math"], "seed": 0, "lookup": 3}
+
+    def run(name, pp, **m):
+        rows = [_row(3, 0.0, "math", len(pp), dict(c, ver=sum(v for v, _ in pp), acc=sum(k for _, k in pp)), pp)]
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"meta": dict(meta, **m), "rows": rows}))
+        return str(f)
+
+    a = run("a", [(10, 2), (10, 8)] * 10)
+    b = run("b", [(10, 3), (10, 9)] * 10, lookup=0)   # another lookup is a fair comparison
+    mod = _compare_module()
+    assert mod.main([a, b]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("| 3 | 0.0 | math | 20 | 0.500 | 0.600 | +0.100 | +0.100 to +0.100 |"), line
+    # bad input: a clear error, exit status 2
+    cases = [(run("c", [(10, 3)] * 20, max_new_tokens=16), "differ in max_new_tokens (8 vs 16)"),
+             (run("d", [(10, 3)] * 19), "same prompts in both runs, got 20 and 19"),
+             (str(tmp_path / "missing.json"), "does not exist"),
+             (str(tmp_path / "a.md"), "does not exist")]
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    cases.append((str(tmp_path / "junk.json"), "is not an evaluation result"))
+    (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
+                                                                           "category": "math"}]}))
+    cases.append((str(tmp_path / "old.json"), "predates them"))
+    for path, msg in cases:
+        assert mod.main([a, path]) == 2
+        assert msg in capsys.readouterr().err, (path, msg)
+    other = run("e", [(10, 3)] * 20)
+    data = json.loads(Path(other).read_text())
+    data["rows"][0]["n"] = 2
+    Path(other).write_text(json.dumps(data))
+    assert mod.main([a, other]) == 2 and "share no (n, temperature, category) row" in capsys.readouterr().err

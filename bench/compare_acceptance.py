@@ -1,0 +1,88 @@
+"""Is head B's acceptance really different from head A's? A paired comparison of two evaluation runs.
+
+Both JSON files come from bench/eval_acceptance.py (or `spd-fast eval`) on the same prompts (same
+--limit, categories, --max-new-tokens and --seed). For every (n, temperature, category) row present
+in both, it prints both acceptance rates (the heads and the --lookup may differ), the difference B - A and its paired bootstrap 95%
+interval over prompts. Prompt i is the same prompt in both runs, so the prompt-to-prompt spread
+both runs share cancels: the interval is much narrower than the two unpaired intervals together.
+
+    .venv/bin/python bench/eval_acceptance.py --num-stages 3 --limit 20 --max-new-tokens 64 --no-ar --out /tmp/a
+    .venv/bin/python bench/eval_acceptance.py --draft runs/new/head --num-stages 3 --limit 20 --max-new-tokens 64 \\
+        --no-ar --out /tmp/b
+    .venv/bin/python bench/compare_acceptance.py /tmp/a.json /tmp/b.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spd_fast.config import SpdConfigError
+
+_SAME = ("max_new_tokens", "limit", "categories", "seed")  # the draft and the lookup may differ: that is what is compared
+
+
+def _load(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SpdConfigError(f"{path} does not exist; pass the .json file that bench/eval_acceptance.py --out wrote")
+    try:
+        res = json.loads(p.read_text())
+        rows = res["rows"]
+    except (ValueError, KeyError, TypeError):
+        raise SpdConfigError(f"{path} is not an evaluation result (no 'rows'); pass the .json file that "
+                             "bench/eval_acceptance.py --out wrote") from None
+    if rows and not any("per_prompt" in r for r in rows):
+        raise SpdConfigError(f"{path} has no per-prompt counts (it predates them); run the evaluation again "
+                             "with this version of bench/eval_acceptance.py")
+    return res
+
+
+def compare(base: dict, new: dict) -> list[dict]:
+    from spd_fast.evaluate import paired_difference
+
+    mb, mn = base.get("meta", {}), new.get("meta", {})
+    for k in _SAME:
+        if k in mb and k in mn and mb[k] != mn[k]:
+            raise SpdConfigError(f"the two runs differ in {k} ({mb[k]!r} vs {mn[k]!r}): a paired comparison needs "
+                                 "the same prompts and settings; run both with the same --limit, --max-new-tokens and --seed")
+    key = lambda r: (r["n"], r["temperature"], r["category"])  # noqa: E731
+    have = {key(r): r for r in base["rows"] if "per_prompt" in r}
+    out = []
+    for r in new["rows"]:
+        b = have.get(key(r))
+        if b is None or "per_prompt" not in r:
+            continue
+        out.append(dict(zip(("n", "temperature", "category"), key(r)), prompts=len(r["per_prompt"]),
+                        **paired_difference(b["per_prompt"], r["per_prompt"])))
+    if not out:
+        raise SpdConfigError("the two runs share no (n, temperature, category) row; evaluate both at the same "
+                             "--num-stages and --temperatures")
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| n | temp | category | prompts | A | B | B - A | paired 95% CI |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['temperature']} | {r['category']} | {r['prompts']} | {r['base']:.3f} | "
+                     f"{r['new']:.3f} | {r['difference']:+.3f} | {r['ci_low']:+.3f} to {r['ci_high']:+.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("base", help="evaluation JSON of head A (the baseline)")
+    p.add_argument("new", help="evaluation JSON of head B, same prompts and settings")
+    a = p.parse_args(argv)
+    try:
+        rows = compare(_load(a.base), _load(a.new))
+    except SpdConfigError as e:
+        print(f"compare_acceptance: error: {e}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
