@@ -33,6 +33,12 @@ def _bootstrap_index(count: int, reps: int, seed: int) -> torch.Tensor:
     return torch.randint(count, (reps, count), generator=torch.Generator().manual_seed(seed))
 
 
+def _interval(samples: torch.Tensor, level: float) -> tuple[float, float]:
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(samples, q).tolist()
+    return lo, hi
+
+
 def acceptance_ci(pairs: Sequence[Sequence[float]], level: float = 0.95, reps: int = BOOTSTRAP_REPS,
                   seed: int = 0) -> tuple[float, float]:
     """Bootstrap confidence interval of the pooled acceptance rate over prompts. `pairs` holds one
@@ -40,9 +46,7 @@ def acceptance_ci(pairs: Sequence[Sequence[float]], level: float = 0.95, reps: i
     answer are not independent (a binomial interval over verifications would be too narrow)."""
     if not pairs:
         raise SpdConfigError("acceptance_ci needs at least one prompt's (verifications, accepted)")
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    lo, hi = torch.quantile(_resampled_rates(pairs, _bootstrap_index(len(pairs), reps, seed)), q).tolist()
-    return lo, hi
+    return _interval(_resampled_rates(pairs, _bootstrap_index(len(pairs), reps, seed)), level)
 
 
 def paired_difference(base: Sequence[Sequence[float]], new: Sequence[Sequence[float]], level: float = 0.95,
@@ -54,11 +58,10 @@ def paired_difference(base: Sequence[Sequence[float]], new: Sequence[Sequence[fl
         raise SpdConfigError(f"a paired comparison needs the same prompts in both runs, got {len(base)} and "
                              f"{len(new)} prompts; run both evaluations with the same --limit and categories")
     idx = _bootstrap_index(len(base), reps, seed)
-    d = _resampled_rates(new, idx) - _resampled_rates(base, idx)
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    lo, hi = torch.quantile(d, q).tolist()
-    rate = lambda p: sum(x[1] for x in p) / max(1, sum(x[0] for x in p))  # noqa: E731
-    return {"base": rate(base), "new": rate(new), "difference": rate(new) - rate(base), "ci_low": lo, "ci_high": hi}
+    lo, hi = _interval(_resampled_rates(new, idx) - _resampled_rates(base, idx), level)
+    every = torch.arange(len(base))  # each prompt once: the pooled rates of the runs themselves
+    b, nw = float(_resampled_rates(base, every)), float(_resampled_rates(new, every))
+    return {"base": b, "new": nw, "difference": nw - b, "ci_low": lo, "ci_high": hi}
 
 
 def repeat_share(ids: Sequence[int], k: int = REPEAT_K) -> tuple[int, int]:

@@ -452,8 +452,7 @@ def test_compare_acceptance_script(tmp_path, capsys):
     # bad input: a clear error, exit status 2
     cases = [(run("c", [(10, 3)] * 20, max_new_tokens=16), "differ in max_new_tokens (8 vs 16)"),
              (run("d", [(10, 3)] * 19), "same prompts in both runs, got 20 and 19"),
-             (str(tmp_path / "missing.json"), "does not exist"),
-             (str(tmp_path / "a.md"), "does not exist")]
+             (str(tmp_path / "missing.json"), "does not exist")]
     (tmp_path / "junk.json").write_text("[1, 2]")
     cases.append((str(tmp_path / "junk.json"), "is not an evaluation result"))
     (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
