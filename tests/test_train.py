@@ -96,6 +96,29 @@ def test_argmax_weight_adds_the_hard_label_cross_entropy(tiny_checkpoint):
     assert s1["loss"] == s0["loss"] and s1["top1"] == s0["top1"]
 
 
+def test_collate_pads_to_a_few_shapes_without_changing_the_loss(tiny_checkpoint):
+    """Batches are padded to a multiple of PAD_MULTIPLE positions (capped at max_seq_len) so the CPU
+    allocator sees few shapes; padded positions are neither keys nor loss rows, so the loss is the
+    same as on the tight batch."""
+    from spd_fast.train.trainer import PAD_MULTIPLE
+
+    torch.manual_seed(0)
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 6)
+    ids, lens, mask = collate(data, 4 * PAD_MULTIPLE)
+    T = int(lens.max())
+    assert ids.shape[1] == PAD_MULTIPLE > T and not mask[:, T - 1:].any()
+    assert collate(data, T)[0].shape[1] == T  # never past max_seq_len
+    dcfg = DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 2, 97)
+    tr = PdmTrainer(m, init_from_target(DraftHead(dcfg, m.cfg, m.norm), m), TrainConfig(fill_aug=0.0))
+    with torch.no_grad():
+        for fill in (None, 1):
+            l_pad, s_pad = tr.loss(ids, lens, mask, fill=fill)
+            l_tight, s_tight = tr.loss(ids[:, :T], lens, mask[:, :T], fill=fill)
+            torch.testing.assert_close(l_pad, l_tight)
+            assert s_pad["tokens"] == s_tight["tokens"] > 0 and s_pad["top1"] == s_tight["top1"]
+
+
 def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)
