@@ -306,7 +306,7 @@ def pack_batches(samples: Sequence[dict], batch_tokens: int, max_seq_len: int, s
 
 
 # Batches are padded to a multiple of this many positions (never past max_seq_len): a few distinct
-# shapes instead of one per batch keep the CPU allocator's heap from growing step after step.
+# shapes instead of one per batch slow the growth of the CPU allocator's heap under bf16 autocast.
 PAD_MULTIPLE = 64
 
 
@@ -314,7 +314,7 @@ def collate(batch: list[dict], max_seq_len: int) -> tuple[torch.Tensor, torch.Te
     """-> ids [B, T], lens [B], loss_mask [B, T] (positions t whose next token t+1 is an assistant token)."""
     seqs = [(s["prompt_ids"] + s["response_ids"])[:max_seq_len] for s in batch]
     T = max(len(s) for s in seqs)
-    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, max(T, max_seq_len))
+    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, max_seq_len)  # seqs are cut to max_seq_len already
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for i, (s, smp) in enumerate(zip(seqs, batch)):
