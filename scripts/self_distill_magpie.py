@@ -17,6 +17,10 @@ round has its own seed). Provenance: every prompt and every answer is generated 
 model (SmolLM2-135M-Instruct, Apache-2.0) from the openers below, which the project wrote.
 
     .venv/bin/python scripts/self_distill_magpie.py --out runs/sd_magpie.jsonl --rounds 45
+
+`--dtype bfloat16` runs the target in bf16. On a 2-core AMX CPU (Xeon with AMX-BF16) one round of 96
+prompts and 256-token answers took 79 s against 93 s in fp32 (session 24; decoding small batches is
+bound by more than the GEMMs), and 192 prompts per round raise it to about 1.1 answers/s.
 """
 from __future__ import annotations
 
@@ -45,7 +49,24 @@ CODE = ["Write a Python function", "Write a JavaScript function", "How do I", "W
         "Write a Rust function", "What does this Python code do", "Write a function in Go", "How can I sort",
         "Write a regular expression", "Write a class in Python"]
 MIX = [("chat", 0.4, CHAT), ("math", 0.3, MATH), ("code", 0.3, CODE)]
-CUM_WEIGHTS = list(accumulate(w for _, w, _ in MIX))
+# --mix human (session 24): half the prompts are chat, opened the way people open a request (a greeting, a
+# first-person situation, a polite question) rather than with an instruction verb; generic words, none taken
+# from the evaluation prompts
+HUMAN_CHAT = ["", "", "", "", "Hey,", "Hi! I", "My", "I'm", "I've been", "Could you", "Can you", "What's",
+              "Why do", "How does", "Is it", "What should I", "Do you", "Please", "Tell me about", "I want to",
+              "Help me", "Describe", "Compare", "What would", "I have a", "Any tips for", "Write a", "We are"]
+MIXES = {"default": MIX, "human": [("chat", 0.5, HUMAN_CHAT), ("math", 0.25, MATH), ("code", 0.25, CODE)]}
+
+
+def draw_openers(mix: list, rng: random.Random, batch: int) -> tuple[list[str], list[str]]:
+    """A round's categories and openers: a weighted category, then one of its openers, per row."""
+    cum_weights = list(accumulate(w for _, w, _ in mix))
+    cats, openers = [], []
+    for _ in range(batch):
+        cat, _, ops = rng.choices(mix, cum_weights=cum_weights)[0]
+        cats.append(cat)
+        openers.append(rng.choice(ops))
+    return cats, openers
 
 
 def finished_rounds(out: Path) -> set[int]:
@@ -74,22 +95,23 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of the answers")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mix", choices=sorted(MIXES), default="default",
+                   help="category weights and openers: default 40/30/30 chat/math/code; human 50/25/25 with "
+                        "conversational chat openers")
+    p.add_argument("--dtype", default="float32", help="target dtype; bfloat16 is several times faster on CPUs with "
+                   "AMX/AVX512-BF16 (answers can then differ from the fp32 target's in near-ties)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    target = load_target(None)
+    target = load_target(None, dtype=a.dtype)
     out = Path(a.out)
     done = finished_rounds(out)
     target.model.setup_caches(a.batch, 640)
+    mix = MIXES[a.mix]
     for r in range(a.rounds):
         if r in done:
             continue
         t0 = time.perf_counter()
-        rng = random.Random(a.seed * 100_003 + r)
-        cats, openers = [], []
-        for _ in range(a.batch):
-            cat, _, ops = rng.choices(MIX, cum_weights=CUM_WEIGHTS)[0]
-            cats.append(cat)
-            openers.append(rng.choice(ops))
+        cats, openers = draw_openers(mix, random.Random(a.seed * 100_003 + r), a.batch)
         gen = torch.Generator().manual_seed(a.seed * 100_003 + r)
         keep = [(cats[i], text, target.encode([{"role": "user", "content": text}]))
                 for i, text in self_written_prompts(target, openers, a.prompt_tokens, gen)]

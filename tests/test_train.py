@@ -512,6 +512,34 @@ def test_magpie_resume_cuts_an_interrupted_round(tmp_path, capsys):
     assert [json.loads(line)["round"] for line in f.read_text().splitlines()] == [0, 0, 1, 1]
 
 
+def test_magpie_mixes_keep_the_default_draws_and_weight_human_chat():
+    """--mix default draws what the committed files were generated with (same rng calls, same lists);
+    --mix human gives chat about half the rows, opened only with its own conversational openers."""
+    import importlib.util
+    import random
+    from collections import Counter
+    from itertools import accumulate
+
+    spec = importlib.util.spec_from_file_location(
+        "magpie", Path(__file__).resolve().parents[1] / "scripts" / "self_distill_magpie.py")
+    magpie = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(magpie)
+    assert magpie.MIXES["default"] is magpie.MIX
+    for mix in magpie.MIXES.values():
+        assert abs(sum(w for _, w, _ in mix) - 1.0) < 1e-9
+    rng = random.Random(9 * 100_003 + 4)
+    cats, openers = [], []
+    for _ in range(96):  # the draw loop as it stood before --mix existed
+        cat, _, ops = rng.choices(magpie.MIX, cum_weights=list(accumulate(w for _, w, _ in magpie.MIX)))[0]
+        cats.append(cat)
+        openers.append(rng.choice(ops))
+    assert magpie.draw_openers(magpie.MIX, random.Random(9 * 100_003 + 4), 96) == (cats, openers)
+    cats, openers = magpie.draw_openers(magpie.MIXES["human"], random.Random(0), 4000)
+    share = Counter(cats)
+    assert 0.47 < share["chat"] / 4000 < 0.53 and 0.22 < share["code"] / 4000 < 0.28
+    assert {o for c, o in zip(cats, openers) if c == "chat"} == set(magpie.HUMAN_CHAT)
+
+
 def test_bf16_warning_on_cpus_without_native_bf16():
     from spd_fast.train.__main__ import bf16_cpu_warning
 
