@@ -48,7 +48,8 @@ def dedupe(inputs: list[str], exclude: list[str], out: str) -> tuple[int, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="jsonl files to merge, in order")
-    p.add_argument("--exclude", nargs="*", default=[], help="jsonl files whose prompts are dropped")
+    p.add_argument("--exclude", nargs="*", action="extend", default=[],
+                   help="jsonl files whose prompts are dropped; the flag may be repeated (all its files count)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     read, kept = dedupe(a.inputs, a.exclude, a.out)

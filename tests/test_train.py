@@ -466,6 +466,12 @@ def test_dedupe_prompts_drops_excluded_and_repeated_prompts(tmp_path):
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(o["prompt"], o["response_ids"]) for o in out] == [("c", [1]), ("d", [2]), ("e", [1])]
     assert json.loads(r.stdout) == {"read": 7, "kept": 3, "dropped": 4, "out": "out.jsonl"}
+    # a repeated --exclude adds its files (it once kept only the last flag's, silently)
+    (tmp_path / "old2.jsonl").write_text(rows("e"))
+    r = _run_dedupe(tmp_path, "new1.jsonl", "new2.jsonl", "--exclude", "old.jsonl", "--exclude", "old2.jsonl",
+                    "--out", "out2.jsonl")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["prompt"] for line in (tmp_path / "out2.jsonl").read_text().splitlines()] == ["c", "d"]
 
 
 def test_dedupe_prompts_reads_and_writes_gzip(tmp_path):
