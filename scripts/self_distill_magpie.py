@@ -98,8 +98,8 @@ def main() -> None:
     p.add_argument("--mix", choices=sorted(MIXES), default="default",
                    help="category weights and openers: default 40/30/30 chat/math/code; human 50/25/25 with "
                         "conversational chat openers")
-    p.add_argument("--dtype", default="float32", help="target dtype; bfloat16 is several times faster on CPUs with "
-                   "AMX/AVX512-BF16 (answers can then differ from the fp32 target's in near-ties)")
+    p.add_argument("--dtype", default="float32", help="target dtype; bfloat16 was only about 1.2x faster on an AMX "
+                   "CPU (see above), and its answers can differ from the fp32 target's in near-ties")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     target = load_target(None, dtype=a.dtype)

@@ -518,28 +518,34 @@ def test_magpie_resume_cuts_an_interrupted_round(tmp_path, capsys):
     assert [json.loads(line)["round"] for line in f.read_text().splitlines()] == [0, 0, 1, 1]
 
 
-def test_magpie_mixes_keep_the_default_draws_and_weight_human_chat():
-    """--mix default draws what the committed files were generated with (same rng calls, same lists);
-    --mix human gives chat about half the rows, opened only with its own conversational openers."""
+def test_magpie_mixes_reproduce_the_committed_files_and_weight_human_chat():
+    """Each --mix draws what its committed file was generated with: every round's kept rows are, in
+    order, a subsequence of that round's (category, opener) draws (rows whose prompt failed the filter
+    are missing; a wrong mix or seed breaks this). --mix human gives chat about half the rows, opened
+    only with its own conversational openers."""
     import importlib.util
     import random
     from collections import Counter
-    from itertools import accumulate
+    from itertools import groupby
 
-    spec = importlib.util.spec_from_file_location(
-        "magpie", Path(__file__).resolve().parents[1] / "scripts" / "self_distill_magpie.py")
+    from spd_fast.train.data import read_jsonl
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("magpie", root / "scripts" / "self_distill_magpie.py")
     magpie = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(magpie)
-    assert magpie.MIXES["default"] is magpie.MIX
-    for mix in magpie.MIXES.values():
-        assert abs(sum(w for _, w, _ in mix) - 1.0) < 1e-9
-    rng = random.Random(9 * 100_003 + 4)
-    cats, openers = [], []
-    for _ in range(96):  # the draw loop as it stood before --mix existed
-        cat, _, ops = rng.choices(magpie.MIX, cum_weights=list(accumulate(w for _, w, _ in magpie.MIX)))[0]
-        cats.append(cat)
-        openers.append(rng.choice(ops))
-    assert magpie.draw_openers(magpie.MIX, random.Random(9 * 100_003 + 4), 96) == (cats, openers)
+
+    def drawn(rows, seed, mix, batch):
+        for rnd, kept in groupby(rows, key=lambda r: r["round"]):
+            draws = iter(zip(*magpie.draw_openers(magpie.MIXES[mix], random.Random(seed * 100_003 + rnd), batch)))
+            if not all(any(c == r["category"] and r["prompt"].startswith(o) for c, o in draws) for r in kept):
+                return False
+        return True
+
+    s9 = read_jsonl(root / "data" / "self_distill" / "magpie_s9_greedy_256.jsonl.gz")
+    s30 = read_jsonl(root / "data" / "self_distill" / "human_s30_greedy_bf16_256.jsonl.gz")
+    assert drawn(s9, 9, "default", 96) and drawn(s30, 30, "human", 192)
+    assert not drawn(s9, 9, "human", 96) and not drawn(s30, 31, "human", 192)
     cats, openers = magpie.draw_openers(magpie.MIXES["human"], random.Random(0), 4000)
     share = Counter(cats)
     assert 0.47 < share["chat"] / 4000 < 0.53 and 0.22 < share["code"] / 4000 < 0.28
