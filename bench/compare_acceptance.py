@@ -10,6 +10,10 @@ both runs share cancels: the interval is much narrower than the two unpaired int
     .venv/bin/python bench/eval_acceptance.py --draft runs/new/head --num-stages 3 --limit 20 --max-new-tokens 64 \\
         --no-ar --out /tmp/b
     .venv/bin/python bench/compare_acceptance.py /tmp/a.json /tmp/b.json
+
+--prompts 20:40 compares only prompts 20-39 of each category (both runs need --limit 40 or more), e.g. the
+half of the eval prompts that no head was ever picked on: a head chosen because it scored best on prompts
+0-19 looks better there than it is.
 """
 from __future__ import annotations
 
@@ -39,7 +43,40 @@ def _load(path: str) -> dict:
     return res
 
 
-def compare(base: dict, new: dict) -> list[dict]:
+def parse_slice(text: str) -> slice:
+    """'20:40' -> slice(20, 40): the prompt indices (within each category) to compare."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SpdConfigError(f"--prompts takes START:STOP, e.g. 20:40, got {text!r}") from None
+    if not 0 <= a < b:
+        raise SpdConfigError(f"--prompts {text}: need 0 <= START < STOP, e.g. 20:40")
+    return slice(a, b)
+
+
+def _sliced(rows: list[dict], sel: slice | None) -> list[dict]:
+    """The rows with per_prompt cut to `sel` in every category; an 'overall' row is rebuilt as the
+    concatenation of its (n, temperature)'s cut category rows, since its own list is all prompts of all
+    categories one after the other."""
+    if sel is None:
+        return rows
+    out, cats = [], {}
+    for r in rows:
+        if "per_prompt" not in r:
+            continue
+        if r["category"] != "overall":
+            pp = r["per_prompt"]
+            if len(pp) < sel.stop:
+                raise SpdConfigError(f"--prompts {sel.start}:{sel.stop} needs {sel.stop} prompts per category, the "
+                                     f"run has {len(pp)} for {r['category']}; evaluate with --limit {sel.stop}")
+            r = dict(r, per_prompt=pp[sel])
+            cats.setdefault((r["n"], r["temperature"]), []).extend(r["per_prompt"])
+        out.append(r)
+    return [dict(r, per_prompt=cats.get((r["n"], r["temperature"]), [])) if r["category"] == "overall" else r
+            for r in out]
+
+
+def compare(base: dict, new: dict, prompts: slice | None = None) -> list[dict]:
     from spd_fast.evaluate import paired_difference
 
     mb, mn = base.get("meta", {}), new.get("meta", {})
@@ -48,9 +85,9 @@ def compare(base: dict, new: dict) -> list[dict]:
             raise SpdConfigError(f"the two runs differ in {k} ({mb[k]!r} vs {mn[k]!r}): a paired comparison needs "
                                  "the same prompts and settings; run both with the same --limit, --max-new-tokens and --seed")
     key = lambda r: (r["n"], r["temperature"], r["category"])  # noqa: E731
-    have = {key(r): r for r in base["rows"] if "per_prompt" in r}
+    have = {key(r): r for r in _sliced(base["rows"], prompts) if "per_prompt" in r}
     out = []
-    for r in new["rows"]:
+    for r in _sliced(new["rows"], prompts):
         b = have.get(key(r))
         if b is None or "per_prompt" not in r:
             continue
@@ -74,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", help="evaluation JSON of head A (the baseline)")
     p.add_argument("new", help="evaluation JSON of head B, same prompts and settings")
+    p.add_argument("--prompts", help="START:STOP, compare only these prompts of each category (e.g. 20:40)")
     a = p.parse_args(argv)
     try:
-        rows = compare(_load(a.base), _load(a.new))
+        rows = compare(_load(a.base), _load(a.new), parse_slice(a.prompts) if a.prompts else None)
     except SpdConfigError as e:
         print(f"compare_acceptance: error: {e}", file=sys.stderr)
         return 2

@@ -467,3 +467,37 @@ def test_compare_acceptance_script(tmp_path, capsys):
     data["rows"][0]["n"] = 2
     Path(other).write_text(json.dumps(data))
     assert mod.main([a, other]) == 2 and "share no (n, temperature, category) row" in capsys.readouterr().err
+
+
+def test_compare_acceptance_prompt_slice(tmp_path, capsys):
+    """--prompts START:STOP pairs only those prompts of each category; the overall row is rebuilt from them."""
+    from spd_fast.evaluate import _row
+
+    c = {"acc": 0, "ver": 0, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
+         "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
+    meta = {"limit": 4, "max_new_tokens": 8, "categories": ["chat", "math"], "seed": 0, "lookup": 3}
+
+    def run(name, chat, math):
+        rows = []
+        for cat, pp in (("chat", chat), ("math", math), ("overall", chat + math)):
+            rows.append(_row(3, 0.0, cat, len(pp), dict(c, ver=sum(v for v, _ in pp), acc=sum(k for _, k in pp)), pp))
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"meta": meta, "rows": rows}))
+        return str(f)
+
+    # B wins big on prompts 0-1 of each category and loses on 2-3
+    a = run("a", [(10, 2), (10, 2), (10, 6), (10, 6)], [(10, 5), (10, 5), (10, 8), (10, 8)])
+    b = run("b", [(10, 9), (10, 9), (10, 5), (10, 5)], [(10, 9), (10, 9), (10, 7), (10, 7)])
+    mod = _compare_module()
+    assert mod.main([a, b]) == 0
+    whole = capsys.readouterr().out.strip().splitlines()
+    assert whole[-1].startswith("| 3 | 0.0 | overall | 8 | 0.525 | 0.750 | +0.225 |"), whole
+    assert mod.main([a, b, "--prompts", "2:4"]) == 0
+    part = capsys.readouterr().out.strip().splitlines()
+    assert part[2].startswith("| 3 | 0.0 | chat | 2 | 0.600 | 0.500 | -0.100 |"), part
+    assert part[3].startswith("| 3 | 0.0 | math | 2 | 0.800 | 0.700 | -0.100 |"), part
+    assert part[4].startswith("| 3 | 0.0 | overall | 4 | 0.700 | 0.600 | -0.100 |"), part
+    for bad, msg in (("2-4", "START:STOP, e.g. 20:40, got '2-4'"), ("3:3", "need 0 <= START < STOP"),
+                     ("2:6", "needs 6 prompts per category, the run has 4 for chat; evaluate with --limit 6")):
+        assert mod.main([a, b, "--prompts", bad]) == 2
+        assert msg in capsys.readouterr().err, bad
