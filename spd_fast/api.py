@@ -10,8 +10,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_max_new_tokens
-from .config import (DEFAULT_LOOKUP, SpdConfigError, check_lookup, uniform_boundaries, validate_boundaries,
-                     validate_num_stages)
+from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, uniform_boundaries,
+                     validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
 from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
@@ -178,6 +178,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         raise SpdConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     parse_device(device)  # a CPU or CUDA device that exists here
     check_lookup(lookup)
+    if anchors is not None:  # their range is checked against the model once it is loaded
+        anchors = check_layer_indices(anchors, "anchors", [0, 10, 20, 30])
     if cuda_graphs and placement != "streams":
         raise SpdConfigError(
             f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
@@ -191,8 +193,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 
-        resolve_placement(placement, device, len(boundaries) - 1 if boundaries is not None
-                          else num_stages or DEFAULT_NUM_STAGES)
+        n = num_stages or DEFAULT_NUM_STAGES
+        if boundaries is not None:
+            n = len(check_layer_indices(boundaries, "stage boundaries", [0, 10, 20, 30])) - 1
+        resolve_placement(placement, device, n)
     if placement == "distributed":
         from .distributed import load_distributed
 
@@ -278,5 +282,5 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
     _check_single(prompt)
     check_lookup(lookup)
     eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
-                         lookup=lookup)
+                         placement="local", lookup=lookup)  # the key generate() uses for the same engine
     return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)

@@ -172,7 +172,8 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     apply_runtime_options(args)
     res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
                               cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
-                              device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup)
+                              device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup,
+                              placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None)
     if args.out:
         js, md = write_results(res, args.out)
         if not args.json:

@@ -65,6 +65,10 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; spd_fast supports "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3)")
         bias_default, qk_norm = SUPPORTED_ARCHITECTURES[model_type]
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
+        if missing:
+            raise SpdConfigError(f"the model's config.json lacks {', '.join(missing)}; it is not a complete Hugging Face "
+                                 f"{model_type} config (re-export the checkpoint with transformers' save_pretrained)")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
@@ -108,12 +112,31 @@ class ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise SpdConfigError(f"{path} has no config.json; pass a Hugging Face checkpoint directory or a .gguf file")
-        return ModelConfig.from_hf_dict(json.loads(p.read_text()))
+        try:
+            cfg = json.loads(p.read_text())
+        except ValueError as e:
+            raise SpdConfigError(f"{p} is not valid JSON ({e}); fix or re-export the checkpoint's config.json") from None
+        if not isinstance(cfg, dict):
+            raise SpdConfigError(f"{p} holds a {type(cfg).__name__}, not a JSON object; it is not a Hugging Face config")
+        return ModelConfig.from_hf_dict(cfg)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+_REQUIRED_HF_KEYS = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers")
+
+
+def check_layer_indices(values: Any, what: str, example: list[int]) -> tuple[int, ...]:
+    """A sequence of integer layer indices (stage boundaries, anchors) as a tuple, or a clear error; no silent
+    int(2.7) == 2."""
+    try:
+        return tuple(operator.index(x) for x in values)
+    except TypeError:
+        raise SpdConfigError(f"{what} must be a sequence of integer layer indices, got {values!r} "
+                             f"(e.g. {example})") from None
 
 
 def uniform_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -132,11 +155,7 @@ def validate_num_stages(num_layers: int, num_stages: int) -> None:
 
 def validate_boundaries(boundaries: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
     example = list(uniform_boundaries(num_layers, min(3, num_layers)))
-    try:
-        b = tuple(operator.index(x) for x in boundaries)  # no silent int(2.7) == 2
-    except TypeError:
-        raise SpdConfigError(f"stage boundaries must be a sequence of integer layer indices, got {boundaries!r} "
-                             f"(e.g. {example})") from None
+    b = check_layer_indices(boundaries, "stage boundaries", example)
     if len(b) < 2 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
         raise SpdConfigError(
             f"stage boundaries {list(b)} are invalid: they must start at 0, end at num_layers={num_layers} "

@@ -137,13 +137,15 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                         limit: int = 40, max_new_tokens: int = 96, draft: str | None = None,
                         categories: Sequence[str] = CATEGORIES, with_ar: bool = True, model: str | None = None,
                         dtype: str = "float32", device: str = "cpu", progress: bool = True,
-                        on_row: Any = None, seed: int = 0, lookup: int = DEFAULT_LOOKUP) -> dict[str, Any]:
+                        on_row: Any = None, seed: int = 0, lookup: int = DEFAULT_LOOKUP, placement: str = "local",
+                        cuda_graphs: bool | None = None) -> dict[str, Any]:
     """Run the evaluation; return {"meta": {...}, "rows": [...]} (one row per n, temperature, category
     and an "overall" row). AR runs once per prompt, with the first n (it does not depend on n); every
     n's rows get its tokens/s and the SPD/AR ratio, and greedy SPD is checked against it at every n.
     Prompt i of a category samples with seed `seed + i` (SPD and AR alike); at temperature > 0 a
     few seeds tell a real difference between two heads from sampling noise. lookup: the drafter's
-    context lookup (spd_fast.load); 0 measures the PDM alone.
+    context lookup (spd_fast.load); 0 measures the PDM alone. placement / cuda_graphs: the executor, as in
+    spd_fast.load (acceptance does not depend on it; the SPD tokens/s do).
     Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
     import spd_fast
 
@@ -157,7 +159,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
-                                progress=progress, lookup=lookup)
+                                progress=progress, lookup=lookup, placement=placement, cuda_graphs=cuda_graphs)
         sources.append(eng.draft_source)
         for temp in temperatures:
             per_cat, per_prompt = {}, {}

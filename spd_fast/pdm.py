@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .config import ModelConfig, SpdConfigError, validate_boundaries
+from .config import ModelConfig, SpdConfigError, check_layer_indices, validate_boundaries
 from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
@@ -65,7 +65,7 @@ class DraftConfig:
         num_layers = 1 if num_layers is None else num_layers
         L = target_cfg.num_layers
         b = validate_boundaries(boundaries, L)
-        a = tuple(b) if anchors is None else tuple(int(x) for x in anchors)
+        a = tuple(b) if anchors is None else check_layer_indices(anchors, "anchors", list(b))
         if not a or a[0] != 0 or any(x >= y for x, y in zip(a, a[1:])) or a[-1] > L:
             raise SpdConfigError(
                 f"anchors {list(a)} are invalid: they must start at 0, strictly increase and stay <= "

@@ -266,6 +266,9 @@ def test_committed_self_distillation_data_is_readable():
     pytest.param(["bench", "--kernels", "cuda"], "invalid choice: 'cuda'", id="bench-kernels"),
     pytest.param(["eval", "--categories", "poetry"], "subset of chat,math,code", id="eval-category"),
     pytest.param(["eval", "--limit", "0"], "expected a positive integer", id="eval-limit"),
+    *([pytest.param(["eval", "--limit", "1", "--placement", "streams"],  # eval passes its executor on to load
+                    "placement='streams' runs the stages on CUDA GPUs", id="eval-streams-on-cpu")]
+      if not __import__("torch").cuda.is_available() else []),
     pytest.param(["frobnicate"], "invalid choice", id="unknown-command"),
     pytest.param(["generate", "--user", "hi", "--placement", "gpus"], "invalid choice: 'gpus'", id="placement"),
     *([pytest.param(["generate", "--user", "hi", "--placement", "streams"],

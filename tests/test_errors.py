@@ -209,6 +209,30 @@ def test_bad_boundaries_and_anchors(tiny_checkpoint):
     from spd_fast.pdm import DraftConfig
     with pytest.raises(SpdConfigError, match="anchors .* are invalid"):
         DraftConfig.make(m.cfg, (0, 3, 6), anchors=(1, 3))
+    for bad in (5, (0, 2.7, 6), (0, "a", 6)):  # 5 used to be a raw TypeError, 2.7 silently 2
+        with pytest.raises(SpdConfigError, match="anchors must be a sequence of integer layer indices"):
+            spd_fast.load(model=tiny_checkpoint("llama"), anchors=bad, draft="random", progress=False)
+        with pytest.raises(SpdConfigError, match="anchors must be a sequence of integer layer indices"):
+            DraftConfig.make(m.cfg, (0, 3, 6), anchors=bad)
+    # placement checks count the stages first: a bad boundaries value is named, not a TypeError from len()
+    with pytest.raises(SpdConfigError, match="stage boundaries must be a sequence of integer layer indices, got 3"):
+        spd_fast.load(model=tiny_checkpoint("llama"), boundaries=3, placement="streams", draft="random")
+
+
+def test_broken_hf_config(tiny_checkpoint, tmp_path):
+    d = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"], cfg["vocab_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpdConfigError, match="config.json lacks hidden_size, vocab_size; it is not a complete"):
+        load_hf_dir(d)
+    (d / "config.json").write_text("{\"model_type\": \"llama\",")
+    with pytest.raises(SpdConfigError, match="config.json is not valid JSON .*fix or re-export"):
+        load_hf_dir(d)
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(SpdConfigError, match="holds a list, not a JSON object"):
+        load_hf_dir(d)
 
 
 def test_bad_method_and_dtype():
@@ -275,3 +299,26 @@ def test_eos_ids_must_be_token_ids():
             check_eos_ids([5, bad], 100)
     with pytest.raises(SpdConfigError, match="eos_ids must be a list of token ids, got 5"):
         check_eos_ids(5, 100)
+
+
+def test_generate_and_stream_share_one_cached_engine(monkeypatch):
+    """generate() then stream() with the same arguments reuse the loaded engine instead of reloading it."""
+    import spd_fast.api as api
+
+    loads = []
+
+    class Fake:
+        def generate(self, *a):
+            return "g"
+
+        def stream(self, *a):
+            return iter(["s"])
+
+    monkeypatch.setattr(api, "_ENGINES", {})
+    monkeypatch.setattr(api, "load", lambda **kw: loads.append(kw) or Fake())
+    assert spd_fast.generate("hi", max_new_tokens=2) == "g"
+    assert list(spd_fast.stream("hi", max_new_tokens=2)) == ["s"]
+    assert spd_fast.generate("hi", max_new_tokens=3) == "g"
+    assert len(loads) == 1
+    spd_fast.generate("hi", max_new_tokens=2, lookup=0)  # another engine: loaded (and the old one dropped)
+    assert len(loads) == 2
