@@ -160,6 +160,9 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
         f"prompt must be a str, a list of {{'role', 'content'}} dicts, or a list of those; got {type(prompt).__name__}")
 
 
+_EXAMPLE_SPLIT = [0, 10, 20, 30]  # for messages before the model is loaded: the embedded model at n=3
+
+
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int | None = None,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int | None = None,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
@@ -179,7 +182,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     parse_device(device)  # a CPU or CUDA device that exists here
     check_lookup(lookup)
     if anchors is not None:  # their range is checked against the model once it is loaded
-        anchors = check_layer_indices(anchors, "anchors", [0, 10, 20, 30])
+        anchors = check_layer_indices(anchors, "anchors", _EXAMPLE_SPLIT)
     if cuda_graphs and placement != "streams":
         raise SpdConfigError(
             f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
@@ -195,7 +198,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
 
         n = num_stages or DEFAULT_NUM_STAGES
         if boundaries is not None:
-            n = len(check_layer_indices(boundaries, "stage boundaries", [0, 10, 20, 30])) - 1
+            n = len(check_layer_indices(boundaries, "stage boundaries", _EXAMPLE_SPLIT)) - 1
         resolve_placement(placement, device, n)
     if placement == "distributed":
         from .distributed import load_distributed
