@@ -150,7 +150,9 @@ def run_cpu(out: Path) -> None:
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
-def run_gpu(out: Path) -> None:
+def run_gpu(out: Path, compile: bool = True) -> None:
+    """`compile=False` skips torch.compile of the twins (tens of seconds each), for a short lease.
+    The JSON is rewritten after every row, so a run cut short keeps what it measured."""
     import triton
     from triton.testing import do_bench
 
@@ -160,6 +162,9 @@ def run_gpu(out: Path) -> None:
     copy_gbs = 2 * big.numel() / copy_ms / 1e6
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (triton {triton.__version__})")
     rows = []
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_gbs=copy_gbs, dtype="bfloat16 (logits fp32)", note="do_bench medians, microseconds",
+                compiled=compile)
     for name, shape in SHAPES.items():
         a = make_inputs(shape, torch.bfloat16, dev)
         todo = cases(a, shape["V"])
@@ -171,21 +176,22 @@ def run_gpu(out: Path) -> None:
             res = dict(op=op, shape=name, bytes=hot_bytes[op] if op in hot_bytes else min_bytes(op, a, shape))
             res["kernel_us"] = 1e3 * do_bench(fast("triton"), return_mode="median")
             res["twin_us"] = 1e3 * do_bench(twin, return_mode="median")
+            res["compiled_us"] = None
             try:
-                res["compiled_us"] = 1e3 * do_bench(torch.compile(twin, dynamic=False), return_mode="median")
+                if compile:
+                    res["compiled_us"] = 1e3 * do_bench(torch.compile(twin, dynamic=False), return_mode="median")
             except Exception as e:  # report, do not hide: some twins may not compile
                 res["compiled_us"], res["compile_error"] = None, f"{type(e).__name__}: {e}"[:200]
             res["kernel_gbs"] = res["bytes"] / res["kernel_us"] / 1e3
             res["floor_us"] = res["bytes"] / copy_gbs / 1e3
             rows.append(res)
-            comp = f"{res['compiled_us']:9.1f}" if res["compiled_us"] else "    error"
+            out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            comp = f"{res['compiled_us']:9.1f}" if res["compiled_us"] else ("    error" if compile else "  skipped")
             print(f"| {op:28s} | {name:13s} | {res['kernel_us']:9.1f} | {res['twin_us']:9.1f} | {comp} | "
                   f"{res['kernel_gbs']:7.0f} GB/s | floor {res['floor_us']:6.1f} us |", flush=True)
         fused = sum(r["kernel_us"] for r in rows[-len(todo):] if r["op"] in
                     ("aggregate", "verify_greedy", "draft_sample[t0.7]"))
         print(f"  {name}: aggregate + verify_greedy + draft_sample[t0.7] = {fused:.1f} us per cycle")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_gbs=copy_gbs, dtype="bfloat16 (logits fp32)", note="do_bench medians, microseconds")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -88,6 +88,7 @@ def finished_rounds(out: Path) -> set[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--rounds", type=int, default=45, help="rounds of --batch prompts each")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
@@ -98,25 +99,33 @@ def main() -> None:
     p.add_argument("--mix", choices=sorted(MIXES), default="default",
                    help="category weights and openers: default 40/30/30 chat/math/code; human 50/25/25 with "
                         "conversational chat openers")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (a GPU writes thousands of answers a minute)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop starting new rounds after this many seconds "
+                   "(0 = off)")
     p.add_argument("--dtype", default="float32", help="target dtype; bfloat16 was only about 1.2x faster on an AMX "
                    "CPU (see above), and its answers can differ from the fp32 target's in near-ties")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    target = load_target(None, dtype=a.dtype)
+    target = load_target(a.model, dtype=a.dtype, device=a.device)
+    dev = target.model.device
     out = Path(a.out)
     done = finished_rounds(out)
     target.model.setup_caches(a.batch, 640)
     mix = MIXES[a.mix]
+    t_start = time.perf_counter()
     for r in range(a.rounds):
         if r in done:
             continue
+        if a.time_budget and time.perf_counter() - t_start > a.time_budget:
+            print(json.dumps({"stopped": "time budget", "at_round": r}), flush=True)
+            break
         t0 = time.perf_counter()
         cats, openers = draw_openers(mix, random.Random(a.seed * 100_003 + r), a.batch)
-        gen = torch.Generator().manual_seed(a.seed * 100_003 + r)
+        gen = torch.Generator(device=dev).manual_seed(a.seed * 100_003 + r)
         keep = [(cats[i], text, target.encode([{"role": "user", "content": text}]))
                 for i, text in self_written_prompts(target, openers, a.prompt_tokens, gen)]
         params = SamplingParams(temperature=a.temperature, seed=a.seed)
-        agen = torch.Generator().manual_seed(a.seed * 7 + r) if a.temperature > 0 else None
+        agen = torch.Generator(device=dev).manual_seed(a.seed * 7 + r) if a.temperature > 0 else None
         answers = generate_batch(target.model, [k[2] for k in keep], a.max_new_tokens, params, target.eos_ids, agen) \
             if keep else []
         lines = [json.dumps({"id": f"magpie-{a.seed}-{r}-{i}", "round": r, "category": cat, "prompt": text,

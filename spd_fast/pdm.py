@@ -191,8 +191,9 @@ class DraftHead(nn.Module):
     def rope_cos_train(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [R, D] for training (no cache needed)."""
         n = int(positions.max()) + 1
-        if getattr(self, "_train_rope_len", 0) < n:
-            self._train_cos, self._train_sin = rope_tables(self.tcfg, max(n, 512))
+        if getattr(self, "_train_rope_len", 0) < n or self._train_cos.device != positions.device:
+            cos, sin = rope_tables(self.tcfg, max(n, 512))
+            self._train_cos, self._train_sin = cos.to(positions.device), sin.to(positions.device)
             self._train_rope_len = max(n, 512)
         return self._train_cos[positions], self._train_sin[positions]
 

@@ -68,8 +68,15 @@ def _gguf_key(path: Path) -> str:
     return f"{path.stem}-{h.hexdigest()[:12]}"
 
 
-def convert_gguf(path: Path, progress: bool = True) -> Path:
-    """Convert a GGUF file into a cached HF directory (once); return the directory."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None = None) -> Path:
+    """Convert a GGUF file into a cached HF directory (once); return the directory.
+
+    `tokenizer_from` (a directory made by an earlier conversion of the same file) supplies the
+    tokenizer files instead of rebuilding them from the GGUF, which needs transformers' GGUF
+    support (the `gguf` package at a version it accepts): for machines that have neither."""
     out = cache_root() / "models" / _gguf_key(path)
     if (out / "spd_fast_converted.json").is_file():
         return out
@@ -93,8 +100,15 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
             eos = cfg["eos_token_id"]
             (tmp / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos}, indent=2))
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            tok.save_pretrained(str(tmp))
+            if tokenizer_from is not None:
+                found = [f for f in TOKENIZER_FILES if (Path(tokenizer_from) / f).is_file()]
+                if "tokenizer.json" not in found:
+                    raise ModelNotFoundError(f"{tokenizer_from} has no tokenizer.json; pass the directory of an "
+                                             f"earlier conversion of {path.name}")
+                for f in found:
+                    shutil.copyfile(Path(tokenizer_from) / f, tmp / f)
+            else:
+                AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
             (tmp / "spd_fast_converted.json").write_text(json.dumps(
                 {"source": str(path), "format": _FORMAT, "torch": torch.__version__}))
             # several processes may convert at once (the ranks of a first distributed run): the

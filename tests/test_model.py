@@ -125,3 +125,38 @@ def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypa
         {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}))
     assert store.convert_gguf(gguf, progress=False) == out
     assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_gguf_conversion_with_tokenizer_files_from_an_earlier_conversion(tmp_path, monkeypatch):
+    """`tokenizer_from` copies the tokenizer files of an earlier conversion (no transformers GGUF support
+    needed, as on a GPU machine with no registry); a directory without tokenizer.json is refused clearly."""
+    import json
+
+    import transformers
+
+    from spd_fast import gguf_loader, store
+
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not read")
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: (
+        {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.ones(2)}))
+
+    def no_gguf_tokenizer(*a, **k):
+        raise AssertionError("the tokenizer must come from tokenizer_from")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf_tokenizer)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(store.ModelNotFoundError, match="has no tokenizer.json; pass the directory of an earlier"):
+        store.convert_gguf(gguf, progress=False, tokenizer_from=empty)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"x": 1}')
+    (tok / "chat_template.jinja").write_text("{{ m }}")
+    (tok / "model.safetensors").write_text("not copied")
+    out = store.convert_gguf(gguf, progress=False, tokenizer_from=tok)
+    assert json.loads((out / "tokenizer.json").read_text()) == {"x": 1}
+    assert (out / "chat_template.jinja").read_text() == "{{ m }}"
+    assert (out / "model.safetensors").stat().st_size > len("not copied")  # the converted weights, not the copy
+    assert (out / "spd_fast_converted.json").is_file()

@@ -595,3 +595,56 @@ def test_warm_start_carries_a_head_to_another_stage_split(tiny_checkpoint, tmp_p
     out = SPDEngine(m, PdmDrafter(loaded), loaded.dcfg.boundaries, loaded.dcfg.anchors).run(
         prompt, 16, SamplingParams(), []).token_ids
     assert out == ref
+
+
+def test_time_budget_cuts_the_schedule_to_what_fits(monkeypatch):
+    """After `start` warm-up steps and `measure` timed ones, the total (and so the LR decay) is set to
+    what fits in the budget minus the reserve; it is set once and never raised."""
+    from spd_fast.train import trainer as tr
+
+    clock = [0.0]
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
+
+    class T:
+        step, total_steps = 0, 10_000
+
+    t = T()
+    b = tr.TimeBudget(100.0, t, start=2, measure=4, reserve=0.1)
+    got = []
+    for _ in range(8):
+        clock[0] += 5.0 if t.step < 2 else 1.0  # slow warm-up steps, then 1 s per step
+        t.step += 1
+        got.append(b.after_step())
+    # at step 6: 14 s used, 90 - 14 = 76 s left at 1 s per step -> 6 + 76 = 82
+    assert got == [None] * 5 + [82, None, None] and t.total_steps == 82
+    t2 = T()
+    t2.total_steps = 20
+    b2 = tr.TimeBudget(1e6, t2, start=0, measure=1)
+    clock[0] += 1.0
+    t2.step += 1
+    assert b2.after_step() == 20  # a generous budget keeps the planned steps
+
+
+def test_training_cli_names_a_bad_device_and_time_budget(tmp_path, capsys):
+    from spd_fast.train.__main__ import main
+
+    assert main(["--out", str(tmp_path / "a"), "--device", "tpu"]) == 2
+    assert "device 'tpu' is not a valid device; use 'cpu', 'cuda' or 'cuda:<index>'" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "b"), "--time-budget", "-5"]) == 2
+    assert "--time-budget must be >= 0 seconds (0 = off), got -5.0" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--out", str(tmp_path / "c"), "--device", "cuda"]) == 2
+        assert "needs CUDA but this torch build has no GPU" in capsys.readouterr().err
+
+
+def test_time_budget_shortens_the_lr_schedule_of_a_real_run(tiny_checkpoint, tmp_path):
+    """A tiny run with a budget far below its planned steps stops early, with the LR at zero at its last step."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=100_000, batch_tokens=256, max_seq_len=64, save_every=10_000, log_every=5, warmup=1,
+                      time_budget=3.0)
+    logs = []
+    train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=logs.append)
+    set_to = [json.loads(x)["steps"] for x in logs if '"time_budget_s"' in x]
+    state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    assert len(set_to) == 1 and 20 <= set_to[0] < 100_000 and state["step"] == set_to[0]

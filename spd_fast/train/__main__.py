@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(weights greedy agreement above matching the whole distribution)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16; "
                    "emulated and slower than fp32 on other CPUs, which get a warning)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target (teacher) and the head run")
+    p.add_argument("--dtype", default="float32", help="the target's weights: float32 or bfloat16 (on a GPU, bfloat16 "
+                   "with --bf16 halves the teacher's memory traffic)")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds of training: after 20 timed steps the step count (and the LR decay) is cut to "
+                        "what fits; 0 = off")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
@@ -97,10 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import TrainConfig, pack_batches, train
 
     a = build_parser().parse_args(argv)
-    _limit_heap_growth()
+    if a.time_budget < 0:
+        print(f"spd_fast.train: error: --time-budget must be >= 0 seconds (0 = off), got {a.time_budget}",
+              file=sys.stderr)
+        return 2
+    try:
+        from ..runtime import parse_device, parse_dtype
+
+        device, dtype = parse_device(a.device), parse_dtype(a.dtype)
+    except SpdConfigError as e:
+        print(f"spd_fast.train: error: {e}", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
+        _limit_heap_growth()
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.bf16 and (warning := bf16_cpu_warning()):
+    if a.bf16 and device.type == "cpu" and (warning := bf16_cpu_warning()):
         print(f"spd_fast.train: warning: {warning}", file=sys.stderr)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         log_f.flush()
 
     try:
-        target = load_target(a.model)
+        target = load_target(a.model, dtype=dtype, device=device)
         samples: list[dict] = []
         for src in a.data or ["self-distill"]:
             if src == "self-distill":
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
                           max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, seed=a.seed, bf16=a.bf16,
                           save_every=a.save_every, weight_decay=a.weight_decay,
-                          argmax_weight=a.argmax_weight)
+                          argmax_weight=a.argmax_weight, time_budget=a.time_budget)
         t0 = time.perf_counter()
         train(target, samples, out, a.num_stages, a.boundaries, a.anchors, a.draft_layers, a.draft_vocab, cfg,
               resume=not a.no_resume, log=log, feature_cache=not a.no_feature_cache, init=a.init,

@@ -103,12 +103,14 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
         for r, i in enumerate(batch):
             ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
         model.setup_caches(len(batch), max(model.max_len, T))
-        ar = torch.arange(T)[None].expand(len(batch), T)
+        ids, lens = ids.to(model.device), lens.to(model.device)
+        ar = torch.arange(T, device=model.device)[None].expand(len(batch), T)
         pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, model.max_len))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
             h, rec = model.run_layers(model.embed_tokens(ids), pos, 0, L, kv_bound=T, record=tuple(layers))
             top = model.lm_head(model.norm(h)).argmax(-1)
-        st = torch.stack([rec[b] for b in layers], dim=2).to(torch.float16).numpy()  # [B, T, k, H]
+        st = torch.stack([rec[b] for b in layers], dim=2).to(torch.float16).cpu().numpy()  # [B, T, k, H]
+        top = top.cpu()
         for r, i in enumerate(batch):
             a, b = int(offsets[i]), int(offsets[i + 1])
             states[a:b] = st[r, : b - a]

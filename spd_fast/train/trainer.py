@@ -40,6 +40,7 @@ class TrainConfig:
     bf16: bool = False              # autocast the head (and teacher) to bf16
     save_every: int = 100
     log_every: int = 10
+    time_budget: float = 0.0        # seconds; > 0 sets `steps` after 20 timed steps so training ends in time
 
 
 def build_draft_vocab(samples: Sequence[dict], size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -94,12 +95,20 @@ class PdmTrainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step = 0
         self.rng = random.Random(cfg.seed)
+        self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
+        self.dev = target.device
+
+    def to_dev(self, tensors):
+        return tuple(t.to(self.dev, non_blocking=True) for t in tensors)
+
+    def autocast(self):
+        return torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
         if step < c.warmup:
             return c.lr * (step + 1) / c.warmup
-        return c.lr * max(0.0, 1 - (step - c.warmup) / max(1, c.steps - c.warmup))
+        return c.lr * max(0.0, 1 - (step - c.warmup) / max(1, self.total_steps - c.warmup))
 
     @torch.no_grad()
     def teacher_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -107,7 +116,7 @@ class PdmTrainer:
         in the compute dtype)."""
         tg, B, T = self.target, ids.shape[0], ids.shape[1]
         tg.setup_caches(B, max(tg.max_len, T))
-        ar = torch.arange(T)[None].expand(B, T)
+        ar = torch.arange(T, device=ids.device)[None].expand(B, T)
         pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, tg.max_len))
         anchors = self.head.dcfg.anchors
         h, rec = tg.run_layers(tg.embed_tokens(ids), pos, 0, tg.cfg.num_layers, kv_bound=T, record=anchors)
@@ -180,7 +189,8 @@ class PdmTrainer:
         stats = {"loss": float(kl), "top1": float(ok.float().sum() / denom), "tokens": float(sel.numel())}
         if pos_edges:
             first = loss_mask.int().argmax(1)  # each sample's first loss row (its last prompt token)
-            bucket = torch.bucketize(sel % T - first[sel // T], torch.tensor(list(pos_edges)), right=True)
+            bucket = torch.bucketize(sel % T - first[sel // T], torch.tensor(list(pos_edges), device=sel.device),
+                                     right=True)
             k = len(pos_edges) + 1
             hits = torch.bincount(bucket, weights=ok.double(), minlength=k).long().tolist()
             stats["by_pos"] = list(zip(hits, torch.bincount(bucket, minlength=k).tolist()))
@@ -195,11 +205,12 @@ class PdmTrainer:
         B, T = anchors[0].shape[0], anchors[0].shape[1]
         # type copies: copy a = W_a · concat(anchors 0..a)
         g = torch.cat([head.proj[a](torch.cat(anchors[: a + 1], dim=-1)) for a in range(m)], dim=1)  # [B, mT, H]
-        pos = torch.arange(T).repeat(m)
+        dev = anchors[0].device
+        pos = torch.arange(T, device=dev).repeat(m)
         cos, sin = head.rope_cos_train(pos)
         cos, sin = cos[None].expand(B, -1, -1), sin[None].expand(B, -1, -1)
-        mask = structured_mask(T, self.depth_type, fill)                       # [mT, mT]
-        key_ok = (torch.arange(T)[None] < lens[:, None]).repeat(1, m)            # padded keys never seen
+        mask = structured_mask(T, self.depth_type, fill, device=dev)           # [mT, mT]
+        key_ok = (torch.arange(T, device=dev)[None] < lens[:, None]).repeat(1, m)  # padded keys never seen
         mask = (mask[None] & key_ok[:, None, :])[:, None]                        # [B, 1, mT, mT]
         x = g
         L = len(head.layers)
@@ -216,7 +227,10 @@ class PdmTrainer:
         for gparam in self.opt.param_groups:
             gparam["lr"] = self.lr_at(self.step)
         self.head.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+        batch = self.to_dev(batch)
+        if cached is not None:
+            cached = (*self.to_dev(cached[:2]), cached[2])
+        with self.autocast():
             loss, stats = self.loss(*batch, fill=fill, cached=cached)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -238,9 +252,9 @@ class PdmTrainer:
         by_pos = [[0, 0] for _ in range(len(pos_edges) + 1)]
         try:
             for i in range(0, len(samples), batch_size):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                    _, st = self.loss(*collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len), fill=None,
-                                      pos_edges=pos_edges)
+                with self.autocast():
+                    _, st = self.loss(*self.to_dev(collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len)),
+                                      fill=None, pos_edges=pos_edges)
                 kl += st["loss"] * st["tokens"]
                 agree += st["top1"] * st["tokens"]
                 rows += st["tokens"]
@@ -264,7 +278,8 @@ class PdmTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.head.save(out / "head")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg)},
+                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
+                    "cfg": asdict(self.cfg)},
                    out / "trainer_state.pt.tmp")
         (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
 
@@ -272,12 +287,12 @@ class PdmTrainer:
         f = out / "trainer_state.pt"
         if not f.is_file():
             return False
-        st = torch.load(f, weights_only=False)
+        st = torch.load(f, weights_only=False, map_location=self.dev)
         self.head.load_state_dict(st["head"])
         self.opt.load_state_dict(st["opt"])
-        self.step = st["step"]
+        self.step = st["step"]  # the LR schedule follows this run's steps (a resume may extend a run)
         self.rng.setstate(st["rng"])
-        torch.set_rng_state(st["torch_rng"])
+        torch.set_rng_state(st["torch_rng"].cpu())
         return True
 
 
@@ -336,6 +351,32 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
         states[r, : st.shape[0]] = st
         arg[r, : am.shape[0]] = am
     return (ids, lens, mask), (states, arg, cache.layers)
+
+
+class TimeBudget:
+    """Fit training into `seconds` of wall clock: time steps `start`..`start + measure` (after the
+    first `start`, which include compilation and allocator warm-up), then set the trainer's total
+    steps (and so its LR schedule, which decays to zero at the last step) to what fits in the rest,
+    with `reserve` of the budget kept for checkpoints and validation. Never raises the total."""
+
+    def __init__(self, seconds: float, trainer: PdmTrainer, start: int = 5, measure: int = 15, reserve: float = 0.15):
+        self.seconds, self.trainer, self.start, self.measure, self.reserve = seconds, trainer, start, measure, reserve
+        self.t_begin = time.perf_counter()
+        self.first_step = trainer.step
+        self.t_start: float | None = self.t_begin if start == 0 else None
+
+    def after_step(self) -> int | None:
+        """Call after every step; returns the new total once, when it is set."""
+        done = self.trainer.step - self.first_step
+        if done == self.start:
+            self.t_start = time.perf_counter()
+        if done != self.start + self.measure or self.t_start is None:
+            return None
+        per_step = (time.perf_counter() - self.t_start) / self.measure
+        left = self.seconds * (1 - self.reserve) - (time.perf_counter() - self.t_begin)
+        total = min(self.trainer.total_steps, self.trainer.step + max(0, int(left / per_step)))
+        self.trainer.total_steps = max(total, self.trainer.step)
+        return self.trainer.total_steps
 
 
 def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) -> None:
@@ -426,6 +467,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         warm_start(head, init, target_obj)
     else:
         set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
+    head.to(tgt.device)  # fp32 master weights on the target's device (bf16 compute under autocast)
     trainer = PdmTrainer(tgt, head, cfg)
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
@@ -448,14 +490,15 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     per_epoch = len(pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
     epoch, done_in_epoch = divmod(trainer.step, per_epoch)
     t0, toks, agg = time.perf_counter(), 0.0, []
+    budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 else None
     pbar = None
     if interactive():
         from tqdm import tqdm
         pbar = tqdm(total=cfg.steps, initial=trainer.step, desc="train PDM")
-    while trainer.step < cfg.steps:
+    while trainer.step < trainer.total_steps:
         batches = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)[done_in_epoch:]
         for bt in batches:
-            if trainer.step >= cfg.steps:
+            if trainer.step >= trainer.total_steps:
                 break
             if cache is not None:
                 batch, cached = collate_cached(bt, cfg.max_seq_len, cache)
@@ -464,6 +507,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                 stats = trainer.train_step(collate(bt, cfg.max_seq_len))
             toks += stats["tokens"]
             agg.append(stats)
+            if budget is not None and (steps := budget.after_step()) is not None:
+                log(json.dumps({"time_budget_s": cfg.time_budget, "steps": steps}))
+                if pbar is not None:
+                    pbar.total = steps
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.3f}",
@@ -473,7 +520,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                 log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step),
                                 "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
-            if trainer.step % cfg.save_every == 0 or trainer.step == cfg.steps:
+            if trainer.step % cfg.save_every == 0 or trainer.step == trainer.total_steps:
                 trainer.save(out)
                 if val_samples:
                     _validate(trainer, val_samples, out, log)

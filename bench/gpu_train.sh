@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Train the n=3 draft head on one GPU with the real target, inside a short device lease.
+#
+# The device machine reaches no registry or hub and takes at most 64 MiB per call, so the target
+# (the 98 MB GGUF, xz-compressed and split in two by bench/gpu_prepare.sh) travels in two calls:
+#   call 1:  mkdir -p /root/spd_stash && cp .gpu_carry1/* /root/spd_stash/ && <the GPU check>
+#   call 2:  bash bench/gpu_train.sh        (carry .gpu_carry2; within 30 s, while the machine is warm)
+# This script (call 2) rebuilds the GGUF and checks its hash, converts it with the carried tokenizer
+# files, writes new self-distillation data with the target on the GPU (GEN_S seconds), trains from
+# the carried head on the committed data plus the new data (TRAIN_S seconds, the step count and LR
+# decay fitted to it by --time-budget), and leaves in $OUT: the best head (split under the 16 MiB
+# per-file limit; join with `cat head.part_* > draft.safetensors`), the new data, and the logs.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder whose files come back}
+S=${STASH:-/root/spd_stash}
+C=${CARRY:-.gpu_carry2}
+GEN_S=${GEN_S:-100}
+TRAIN_S=${TRAIN_S:-240}
+LR=${LR:-2e-4}
+BATCH_TOKENS=${BATCH_TOKENS:-16384}
+GEN_BATCH=${GEN_BATCH:-1024}
+DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PY=.venv/bin/python with small GEN_S/TRAIN_S/GEN_BATCH: a dry run here
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 SPD_FAST_CACHE=/root/spd_cache
+t0=$(date +%s)
+say() { echo "[gpu_train +$(( $(date +%s) - t0 ))s] $*"; }
+
+$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$C"/gguf-*.whl || { say "pip failed"; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p "$S/init" "$S/tok"
+cat "$S"/gguf.xz.part_* "$C"/gguf.xz.part_* | xz -dc > "$S/model.gguf" || { say "cannot rebuild the GGUF"; exit 3; }
+if [ "$(sha256sum "$S/model.gguf" | cut -d' ' -f1)" != "$(cat "$C/gguf.sha256")" ]; then
+    say "GGUF hash mismatch: a part is missing or damaged"; ls -la "$S" "$C"; exit 3
+fi
+tar -xJf "$C/init_head.tar.xz" -C "$S/init" && tar -xJf "$C/tok.tar.xz" -C "$S/tok" || exit 3
+$PY -c "from pathlib import Path; from spd_fast.store import convert_gguf
+print(convert_gguf(Path('$S/model.gguf'), progress=False, tokenizer_from=Path('$S/tok')))" || exit 3
+[ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+say "target ready"
+
+# 1. new self-distillation data: prompts the target writes itself, greedy 256-token answers
+D=data/self_distill
+NEW=()
+for spec in "human 41" "default 42"; do
+    set -- $spec
+    f="$S/gpu_magpie_s$2.jsonl"
+    timeout $(( GEN_S / 2 + 60 )) $PY scripts/self_distill_magpie.py --model "$S/model.gguf" --device "$DEVICE" \
+        --dtype bfloat16 --out "$f" --rounds 1000 --batch "$GEN_BATCH" --seed "$2" --mix "$1" --prompt-tokens 64 \
+        --max-new-tokens 256 --time-budget $(( GEN_S / 2 )) 2>&1 | tail -n 4
+    [ -s "$f" ] && NEW+=("$f")
+done
+DATA=(--data $D/magpie_s9_greedy_256.jsonl.gz --data $D/magpie_s10_t07_256.jsonl.gz
+      --data $D/magpie_s12_greedy_256.jsonl.gz --data $D/magpie_s13_t07_256.jsonl.gz
+      --data $D/human_s30_greedy_bf16_256.jsonl.gz)
+if [ ${#NEW[@]} -gt 0 ]; then
+    # no prompt twice, none from the earlier data or the validation set
+    $PY scripts/dedupe_prompts.py "${NEW[@]}" --exclude $D/*.jsonl.gz --out "$S/gpu_new.jsonl.gz" \
+        && DATA+=(--data "$S/gpu_new.jsonl.gz")
+fi
+say "data: ${DATA[*]}"
+
+# 2. train from the carried head
+timeout $(( TRAIN_S + 120 )) $PY -m spd_fast.train --model "$S/model.gguf" --device "$DEVICE" --dtype bfloat16 --bf16 \
+    --out "$S/run" --init "$S/init" --num-stages 3 --draft-layers 3 --draft-vocab 16384 "${DATA[@]}" \
+    --val $D/val_long_s21_256.jsonl.gz --val-limit 80 --steps 100000 --lr "$LR" --warmup 50 \
+    --batch-tokens "$BATCH_TOKENS" --save-every 100 --time-budget "$TRAIN_S" --no-feature-cache --threads 8 \
+    2>&1 | grep -v '"step": [0-9]*[1-9]0, "epoch"' | tail -n 40
+say "training finished (rc ${PIPESTATUS[0]})"
+
+# 3. what comes back (at most 8 files, 16 MiB each)
+B="$S/run/best_head"
+if [ -f "$B/draft.safetensors" ]; then
+    split -b 15M "$B/draft.safetensors" "$OUT/head.part_"
+    cp "$B/draft_config.json" "$B/val.json" "$OUT/"
+fi
+[ -f "$S/gpu_new.jsonl.gz" ] && split -b 15M "$S/gpu_new.jsonl.gz" "$OUT/gpu_new.jsonl.gz.part_"
+cp "$S/run/train_log.jsonl" "$OUT/" 2>/dev/null
+ls -la "$OUT"
+say "done"
