@@ -38,17 +38,14 @@ from .sampling import SamplingParams
 from .streams import CudaStreams, SimulatedStreams
 
 LOCAL_PLACEMENTS = ("local", "sequential", "streams", "devices")
-_POOL = None
-
-
 def graph_pool():
-    """One CUDA-graph memory pool for every graph of the process (SPD cycles and AR steps). Safe
-    because graphs never replay concurrently and keep all state that outlives a replay in buffers
-    allocated outside capture."""
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
-    return _POOL
+    """A fresh private memory pool for each captured graph.
+
+    One pool shared by every graph of the process failed on the first GPU run (H200, torch 2.11):
+    after the graphs that used it were freed while a tensor allocated during their capture lived
+    on, the next capture into it hit CUDACachingAllocator's internal assert `use_count > 0`, and
+    the aborted capture left the CUDA generator unusable ("Offset increment outside graph capture")."""
+    return torch.cuda.graph_pool_handle()
 
 
 def resolve_placement(placement: str, device: str | torch.device, num_stages: int) -> list[torch.device]:

@@ -2,6 +2,8 @@
 sampling kernels by statistics, the backend switch, and the engine's greedy output on every backend."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -490,3 +492,21 @@ def test_decode_hot_path_ops_are_opaque_custom_ops():
     torch.library.opcheck(torch.ops.spd_fast.decode_attention_triton, (q, kc, kc.clone(), torch.tensor([[5]]), 16),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.spd_fast.swiglu_triton, (torch.randn(2, 16),), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kernels_import_from_an_uninstalled_source_checkout():
+    """The GPU machine runs the repository from PYTHONPATH without installing it; the kernels (top-level
+    triton_kernels/, installed as spd_fast.triton_kernels) must import there too. `-S` leaves out the
+    site hooks, so the editable install's finder plays no part."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    site_dir = str(Path(torch.__file__).resolve().parent.parent)
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {site_dir!r}]; "
+            "import spd_fast.triton_kernels._common as c; print(c.__file__)")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd="/",
+                       env=dict(os.environ, PYTHONPATH=""))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == str(root / "triton_kernels" / "_common.py")
