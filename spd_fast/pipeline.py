@@ -38,13 +38,16 @@ from .sampling import SamplingParams
 from .streams import CudaStreams, SimulatedStreams
 
 LOCAL_PLACEMENTS = ("local", "sequential", "streams", "devices")
+
+
 def graph_pool():
     """A fresh private memory pool for each captured graph.
 
     One pool shared by every graph of the process failed on the first GPU run (H200, torch 2.11):
     after the graphs that used it were freed while a tensor allocated during their capture lived
-    on, the next capture into it hit CUDACachingAllocator's internal assert `use_count > 0`, and
-    the aborted capture left the CUDA generator unusable ("Offset increment outside graph capture")."""
+    on, the next capture into it hit CUDACachingAllocator's internal assert `use_count > 0`, and the
+    aborted capture most likely left the CUDA generator unusable (the next `normal_` raised "Offset
+    increment outside graph capture")."""
     return torch.cuda.graph_pool_handle()
 
 
