@@ -648,3 +648,68 @@ def test_time_budget_shortens_the_lr_schedule_of_a_real_run(tiny_checkpoint, tmp
     set_to = [json.loads(x)["steps"] for x in logs if '"time_budget_s"' in x]
     state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
     assert len(set_to) == 1 and 20 <= set_to[0] < 100_000 and state["step"] == set_to[0]
+
+
+def test_torchrun_data_parallel_equals_the_mean_loss_step(tiny_checkpoint, tmp_path):
+    """`torchrun --nproc-per-node 2 -m spd_fast.train` (gloo on CPU): each rank takes every other batch and the
+    gradients are averaged, so after 3 steps the weights equal a single process that steps on the mean loss
+    of the same batch pairs (crossing an epoch). Stepping on rank 0's batches alone ends elsewhere."""
+    import os
+    import subprocess
+    import sys
+
+    from spd_fast.config import uniform_boundaries
+    from test_distributed import free_port
+    from spd_fast.runtime import load_target
+    from spd_fast.train.data import text_file_samples
+    from spd_fast.train.trainer import build_draft_vocab, pack_batches
+    from spd_fast.pdm import set_draft_vocab
+
+    ckpt = tiny_checkpoint("llama")
+    tg = load_target(ckpt, progress=False)
+    data = tmp_path / "d.jsonl"
+    samples = _samples(tg.model, 8)
+    data.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    steps, bt, L = 3, 64, 32
+    args = ["--model", ckpt, "--out", str(tmp_path / "ddp"), "--data", str(data), "--num-stages", "3",
+            "--draft-vocab", "50", "--steps", str(steps), "--warmup", "1", "--lr", "1e-3", "--batch-tokens", str(bt),
+            "--max-seq-len", str(L), "--fill-aug", "0", "--save-every", "100", "--no-feature-cache", "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+                        "spd_fast.train", *args], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(tmp_path / "ddp" / "trainer_state.pt", weights_only=False)
+    assert got["step"] == steps
+    cfg = json.loads((tmp_path / "ddp" / "train_config.json").read_text())
+    assert cfg["ranks"] == 2
+
+    def reference(both: bool) -> dict:
+        m = tg.model
+        torch.manual_seed(0)
+        dcfg = DraftConfig.make(m.cfg, uniform_boundaries(m.cfg.num_layers, 3), None, 1, 50, tg.fingerprint)
+        head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m, 0)
+        rows = list(text_file_samples(data, tg))
+        set_draft_vocab(head, build_draft_vocab(rows, 50, m.cfg.vocab_size, tg.eos_ids), m)
+        tr = PdmTrainer(m, head, TrainConfig(steps=steps, lr=1e-3, warmup=1, batch_tokens=bt, max_seq_len=L,
+                                            fill_aug=0.0))
+        per_epoch = len(pack_batches(rows, bt, L, 0, 0)) // 2
+        for step in range(steps):
+            epoch, j = divmod(step, per_epoch)
+            bs = pack_batches(rows, bt, L, 0, epoch)
+            pair = [bs[2 * j], bs[2 * j + 1]] if both else [bs[2 * j]]
+            for gp in tr.opt.param_groups:
+                gp["lr"] = tr.lr_at(step)
+            tr.opt.zero_grad(set_to_none=True)
+            for b in pair:
+                loss, _ = tr.loss(*collate(b, L), fill=None)
+                (loss / len(pair)).backward()
+            torch.nn.utils.clip_grad_norm_(tr.params, 1.0)
+            tr.opt.step()
+        return head.state_dict()
+
+    ref, alone = reference(True), reference(False)
+    for k, v in ref.items():
+        torch.testing.assert_close(got["head"][k], v, atol=2e-5, rtol=1e-4, msg=k)
+    assert any(not torch.allclose(got["head"][k], v, atol=1e-4) for k, v in alone.items() if v.is_floating_point())

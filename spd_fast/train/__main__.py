@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,10 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spd_fast.train: error: --time-budget must be >= 0 seconds (0 = off), got {a.time_budget}",
               file=sys.stderr)
         return 2
+    rank, world = 0, 1
     try:
         from ..runtime import parse_device, parse_dtype
 
         device, dtype = parse_device(a.device), parse_dtype(a.dtype)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: data parallel, one rank per GPU (gloo on CPU)
+            from ..distributed.launch import init_rank
+
+            # a rank waits in a collective while rank 0 validates or writes a checkpoint: allow it
+            ctx = init_rank(a.device, startup_timeout=3600.0)
+            rank, world, device = ctx.rank, ctx.world_size, ctx.device
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)
         return 2
@@ -122,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spd_fast.train: warning: {warning}", file=sys.stderr)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_f = open(out / "train_log.jsonl", "a")
+    log_f = open(out / "train_log.jsonl", "a") if rank == 0 else None
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
+        if log_f is not None:
+            print(msg, file=sys.stderr, flush=True)
+            log_f.write(msg + "\n")
+            log_f.flush()
 
     try:
         target = load_target(a.model, dtype=dtype, device=device)
@@ -138,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 if a.max_prompts:
                     prompts = prompts[: a.max_prompts]
                 t0 = time.perf_counter()
-                path = self_distill(target, prompts, out / "self_distill.jsonl", a.gen_max_new_tokens, a.gen_batch,
-                                    a.gen_temperature, a.seed)
+                path = out / "self_distill.jsonl"
+                if rank == 0:  # one rank writes the answers, the others read them
+                    path = self_distill(target, prompts, path, a.gen_max_new_tokens, a.gen_batch,
+                                        a.gen_temperature, a.seed)
+                if world > 1:
+                    import torch.distributed as dist
+
+                    dist.barrier()
                 log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
                                 "seconds": round(time.perf_counter() - t0, 1)}))
                 samples += [dict(r, _source="self-distill") for r in read_jsonl(path)]
@@ -165,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 

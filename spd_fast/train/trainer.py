@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..model import Transformer, apply_rope
@@ -97,6 +98,24 @@ class PdmTrainer:
         self.rng = random.Random(cfg.seed)
         self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
         self.dev = target.device
+        # data parallel (torchrun): every rank takes its own batches and gradients are averaged
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.world > 1:
+            with torch.no_grad():  # identical starting weights on every rank
+                for t in list(head.parameters()) + list(head.buffers()):
+                    dist.broadcast(t.data, src=0)
+
+    def all_reduce_grads(self) -> None:
+        """Average the gradients over the ranks (one flat all-reduce): the step every rank then takes
+        is that of the mean loss over all ranks' batches."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        off = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[off: off + g.numel()].view_as(p).to(p.dtype)
+            off += g.numel()
 
     def to_dev(self, tensors):
         return tuple(t.to(self.dev, non_blocking=True) for t in tensors)
@@ -234,6 +253,8 @@ class PdmTrainer:
             loss, stats = self.loss(*batch, fill=fill, cached=cached)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.world > 1:
+            self.all_reduce_grads()
         torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
         self.opt.step()
         self.step += 1
@@ -375,6 +396,10 @@ class TimeBudget:
         per_step = (time.perf_counter() - self.t_start) / self.measure
         left = self.seconds * (1 - self.reserve) - (time.perf_counter() - self.t_begin)
         total = min(self.trainer.total_steps, self.trainer.step + max(0, int(left / per_step)))
+        if getattr(self.trainer, "world", 1) > 1:  # every rank must stop at the same step: the slowest decides
+            t = torch.tensor([total], device=self.trainer.dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            total = int(t.item())
         self.trainer.total_steps = max(total, self.trainer.step)
         return self.trainer.total_steps
 
@@ -469,6 +494,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
     head.to(tgt.device)  # fp32 master weights on the target's device (bf16 compute under autocast)
     trainer = PdmTrainer(tgt, head, cfg)
+    rank, world = trainer.rank, trainer.world
+    lead = rank == 0  # under torchrun only rank 0 logs, validates and writes checkpoints
+    if not lead:
+        log = _quiet
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
     cache = None
@@ -476,27 +505,42 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         from .features import build_feature_caches
 
         t_c = time.perf_counter()
+        if not lead:
+            dist.barrier()  # rank 0 builds the cache first; the others then open it
         cache = build_feature_caches(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
-                                    cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive())
+                                    cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive() and lead)
+        if lead and world > 1:
+            dist.barrier()
         samples = [dict(s, _idx=i) for i, s in enumerate(samples)]
         tgt.free_caches()  # the teacher pass sized them for its largest batch (GBs); training reads the cache
         log(json.dumps({"feature_cache": str(cache.root), "seconds": round(time.perf_counter() - t_c, 1)}))
-    (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
-                                                        "samples": len(samples)}, indent=2))
-    if val_samples and init is not None and trainer.step == 0:
+    if lead:
+        (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
+                                                            "samples": len(samples), "ranks": world}, indent=2))
+    if lead and val_samples and init is not None and trainer.step == 0:
         _validate(trainer, val_samples, out, log)  # the warm-start head: the score the fine-tune must beat
-    epoch, done_in_epoch = 0, 0
-    per_epoch = len(pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+
+    def rank_batches(epoch: int) -> list[list[dict]]:
+        """This rank's share of the epoch's batches (every rank the same count; a remainder is dropped)."""
+        bs = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)
+        return bs[rank: len(bs) // world * world: world]
+
+    per_epoch = len(rank_batches(0))
+    if per_epoch == 0:
+        from ..config import SpdConfigError
+
+        raise SpdConfigError(f"{len(samples)} samples make fewer batches than the {world} ranks; lower "
+                             "--batch-tokens, add data or use fewer processes")
     epoch, done_in_epoch = divmod(trainer.step, per_epoch)
     t0, toks, agg = time.perf_counter(), 0.0, []
     budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 else None
     pbar = None
-    if interactive():
+    if interactive() and lead:
         from tqdm import tqdm
         pbar = tqdm(total=cfg.steps, initial=trainer.step, desc="train PDM")
     while trainer.step < trainer.total_steps:
-        batches = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)[done_in_epoch:]
+        batches = rank_batches(epoch)[done_in_epoch:]
         for bt in batches:
             if trainer.step >= trainer.total_steps:
                 break
@@ -505,7 +549,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                 stats = trainer.train_step(batch, cached)
             else:
                 stats = trainer.train_step(collate(bt, cfg.max_seq_len))
-            toks += stats["tokens"]
+            toks += stats["tokens"] * world  # this rank's loss rows; the others take as many on average
             agg.append(stats)
             if budget is not None and (steps := budget.after_step()) is not None:
                 log(json.dumps({"time_budget_s": cfg.time_budget, "steps": steps}))
@@ -520,13 +564,20 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                 log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step),
                                 "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
-            if trainer.step % cfg.save_every == 0 or trainer.step == trainer.total_steps:
+            if lead and (trainer.step % cfg.save_every == 0 or trainer.step == trainer.total_steps):
                 trainer.save(out)
                 if val_samples:
                     _validate(trainer, val_samples, out, log)
         epoch, done_in_epoch = epoch + 1, 0
     if pbar is not None:
         pbar.close()
-    trainer.save(out)
+    if lead:
+        trainer.save(out)
+    if world > 1:
+        dist.barrier()  # the others wait for rank 0's last checkpoint
     head.eval()
     return head
+
+
+def _quiet(msg: str) -> None:
+    """The log of ranks other than 0 under torchrun."""
