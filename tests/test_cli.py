@@ -231,11 +231,11 @@ def test_train_refuses_other_compressed_data(capsys, tmp_path, tiny_checkpoint):
 
 def test_committed_self_distillation_data_is_readable():
     """data/self_distill/*.jsonl.gz: rows the trainer takes as they are, none with an eval prompt, and
-    the validation file (val_*) shares no prompt with the training files (magpie_*, human_*)."""
+    the validation file (val_*) shares no prompt with the training files (magpie_*, human_*, gpu_*)."""
     from spd_fast.train.data import PROMPTS_DIR, read_jsonl
 
     root = Path(__file__).resolve().parents[1] / "data" / "self_distill"
-    train_files = sorted([*root.glob("magpie_*.jsonl.gz"), *root.glob("human_*.jsonl.gz")])
+    train_files = sorted([*root.glob("magpie_*.jsonl.gz"), *root.glob("human_*.jsonl.gz"), *root.glob("gpu_*.jsonl.gz")])
     val_files = sorted(root.glob("val_*.jsonl.gz"))
     assert train_files and val_files and len(train_files) + len(val_files) == len(list(root.glob("*.jsonl.gz")))
     held_out = {r["prompt"] for c in ("chat", "math", "code") for r in read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")}
