@@ -495,9 +495,9 @@ def test_decode_hot_path_ops_are_opaque_custom_ops():
 
 
 def test_kernels_import_from_an_uninstalled_source_checkout():
-    """The GPU machine runs the repository from PYTHONPATH without installing it; the kernels (top-level
-    triton_kernels/, installed as spd_fast.triton_kernels) must import there too. `-S` leaves out the
-    site hooks, so the editable install's finder plays no part."""
+    """The GPU machine runs the repository from PYTHONPATH without installing it; the kernels must import
+    there too (they were once a top-level triton_kernels/ mapped in by pyproject's package-dir, which only
+    an install sees). `-S` leaves out the site hooks, so the editable install's finder plays no part."""
     import os
     import subprocess
     import sys
@@ -509,4 +509,4 @@ def test_kernels_import_from_an_uninstalled_source_checkout():
     r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd="/",
                        env=dict(os.environ, PYTHONPATH=""))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == str(root / "triton_kernels" / "_common.py")
+    assert r.stdout.strip() == str(root / "spd_fast" / "triton_kernels" / "_common.py")

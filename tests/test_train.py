@@ -606,7 +606,7 @@ def test_time_budget_cuts_the_schedule_to_what_fits(monkeypatch):
     monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
 
     class T:
-        step, total_steps = 0, 10_000
+        step, total_steps, world = 0, 10_000, 1
 
     t = T()
     b = tr.TimeBudget(100.0, t, start=2, measure=4, reserve=0.1)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
                     path = self_distill(target, prompts, path, a.gen_max_new_tokens, a.gen_batch,
                                         a.gen_temperature, a.seed)
                 if world > 1:
-                    import torch.distributed as dist
-
                     dist.barrier()
                 log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
                                 "seconds": round(time.perf_counter() - t0, 1)}))
@@ -181,11 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)
         return 2
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

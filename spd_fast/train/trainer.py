@@ -299,8 +299,7 @@ class PdmTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.head.save(out / "head")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
-                    "cfg": asdict(self.cfg)},
+                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg)},
                    out / "trainer_state.pt.tmp")
         (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
 
@@ -396,7 +395,7 @@ class TimeBudget:
         per_step = (time.perf_counter() - self.t_start) / self.measure
         left = self.seconds * (1 - self.reserve) - (time.perf_counter() - self.t_begin)
         total = min(self.trainer.total_steps, self.trainer.step + max(0, int(left / per_step)))
-        if getattr(self.trainer, "world", 1) > 1:  # every rank must stop at the same step: the slowest decides
+        if self.trainer.world > 1:  # every rank must stop at the same step: the slowest decides
             t = torch.tensor([total], device=self.trainer.dev)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             total = int(t.item())
