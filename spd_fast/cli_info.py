@@ -105,6 +105,7 @@ def _heads() -> list[dict[str, Any]]:
                               "anchors": list(dc.anchors), "draft_layers": dc.num_layers,
                               "draft_vocab_size": dc.draft_vocab_size, "base_model_type": dc.base_model_type,
                               "draft_temperature_scale": dc.draft_temperature_scale,
+                              "lookup_gate": [dc.lookup_gate_confidence, dc.lookup_gate_ratio],
                               "size_mib": round(_dir_mib(d), 1)})
             except Exception as e:  # a broken head must not break `info`
                 heads.append({"name": d.name, "error": f"{type(e).__name__}: {e}"})
@@ -161,7 +162,7 @@ def _print_text(d: dict[str, Any]) -> None:
         else:
             print(f"  {h['name']}: n={h['num_stages']}, boundaries {h['boundaries']}, L_s={h['draft_layers']}, "
                   f"V_d={h['draft_vocab_size']}, drafts at {h['draft_temperature_scale']:g} x T when sampling, "
-                  f"{h['size_mib']} MiB")
+                  f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}, {h['size_mib']} MiB")
 
 
 def run(args: argparse.Namespace) -> int:

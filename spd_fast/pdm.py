@@ -20,11 +20,17 @@ from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mas
 
 FORMAT_VERSION = 1
 SCALE_RANGE = (0.05, 20.0)  # allowed draft_temperature_scale
+NO_LOOKUP_GATE = (1.0, 0.0)  # (lookup_gate_confidence, lookup_gate_ratio) that never keeps the PDM's draft
 
 
 def valid_scale(s: object) -> bool:
     """A draft_temperature_scale a head may carry: a real number (not a bool) inside SCALE_RANGE."""
     return isinstance(s, (int, float)) and not isinstance(s, bool) and SCALE_RANGE[0] <= s <= SCALE_RANGE[1]
+
+
+def valid_fraction(v: object) -> bool:
+    """A lookup-gate parameter: a real number (not a bool) in [0, 1]."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
 
 
 class DraftMismatchError(SpdConfigError):
@@ -48,6 +54,11 @@ class DraftConfig:
     # sampled decoding: the head drafts at temperature T * this (its own calibration, see
     # train/calibrate.py); q is still the distribution the draft was drawn from, so output stays exact
     draft_temperature_scale: float = 1.0
+    # context lookup gate (drafters.PdmDrafter, calibrated by train/calibrate.py): a context copy replaces
+    # the PDM's draft unless the PDM's top probability exceeds `confidence` AND the copied token's PDM
+    # probability is below `ratio` times that top probability. (1.0, 0.0) always copies.
+    lookup_gate_confidence: float = NO_LOOKUP_GATE[0]
+    lookup_gate_ratio: float = NO_LOOKUP_GATE[1]
 
     def __post_init__(self) -> None:
         s = self.draft_temperature_scale
@@ -55,6 +66,13 @@ class DraftConfig:
             raise DraftMismatchError(f"draft_temperature_scale {s!r} is out of range: it must be a number in "
                                      f"[{SCALE_RANGE[0]}, {SCALE_RANGE[1]}] (1 = draft at the requested temperature); "
                                      "fix draft_config.json or the calibration's --scales")
+        for name in ("lookup_gate_confidence", "lookup_gate_ratio"):
+            v = getattr(self, name)
+            if not valid_fraction(v):
+                raise DraftMismatchError(f"{name} {v!r} is out of range: it must be a number in [0, 1] "
+                                         f"(the defaults {NO_LOOKUP_GATE[0]} and {NO_LOOKUP_GATE[1]} let every "
+                                         "context match replace the PDM's draft); fix draft_config.json or the "
+                                         "calibration's --gate-confidences / --gate-ratios")
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,

@@ -78,15 +78,20 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(s) + "\n" for s in _samples(m, 4, seed=3)))
     rc = main([str(tmp_path / "h"), "--model", ckpt, "--val", str(val), "--scales", "0.5,0.8,1.0",
-               "--temperatures", "0.7", "--write", "--out", str(tmp_path / "cal.json")])
+               "--temperatures", "0.7", "--lookup", "2", "--gate-confidences", "1.0,0.5,0.1", "--gate-ratios", "1.0",
+               "--write", "--out", str(tmp_path / "cal.json")])
     out = capsys.readouterr().out
     assert rc == 0 and "| scale | T=0.7 | mean |" in out and "wrote draft_temperature_scale=" in out
+    assert "| confidence | ratio 1.0 |" in out and "lookup_gate_confidence=" in out
     res = json.loads((tmp_path / "cal.json").read_text())
-    best = res["best_scale"]
+    best, gate = res["best_scale"], res["lookup_gate"]["best"]
     assert best in (0.5, 0.8, 1.0) and res["previous_scale"] == 1.0
-    assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["draft_temperature_scale"] == best
+    written = json.loads((tmp_path / "h" / "draft_config.json").read_text())
+    assert written["draft_temperature_scale"] == best
+    assert [written["lookup_gate_confidence"], written["lookup_gate_ratio"]] == gate
     eng = load(model=ckpt, draft=str(tmp_path / "h"), progress=False)
     assert eng.head.dcfg.draft_temperature_scale == best
+    assert (eng.head.dcfg.lookup_gate_confidence, eng.head.dcfg.lookup_gate_ratio) == tuple(gate)
     # errors name the problem and the fix
     assert main([str(tmp_path / "h"), "--model", ckpt]) == 2
     assert "pass held-out data with --val FILE" in capsys.readouterr().err
@@ -99,3 +104,57 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, draft_temperature_scale=0)))
     with pytest.raises(DraftMismatchError, match=r"draft_temperature_scale 0 is out of range.*\[0.05, 20.0\]"):
         load_draft(tmp_path / "h", m, weights_fingerprint(m))
+
+
+def test_lookup_gate_table_counts_each_gate_and_keeps_the_default_on_ties():
+    from spd_fast.train.calibrate import lookup_gate_table
+
+    # (PDM top probability, copied token's probability, copy right, PDM right); 4 rows, 2 right by the PDM
+    fired = [(0.9, 0.0, False, True), (0.3, 0.2, True, False)]
+    t = lookup_gate_table(fired, 4, 2, (1.0, 0.5), (0.5,))
+    assert t["pdm_alone"] == 0.5 and t["no_gate"] == 0.5 and t["rows_matched"] == 2
+    assert t["grid"] == {"1.0,0.5": 0.5, "0.5,0.5": 0.75}  # the sure PDM keeps its right draft, the unsure one copies
+    assert t["best"] == [0.5, 0.5] and t["best_accuracy"] == 0.75
+    level = lookup_gate_table([(0.9, 0.0, True, True)], 2, 1, (1.0, 0.5), (0.5,))
+    assert level["best"] == [1.0, 0.0]  # no gain: the no-gate default stays
+
+
+def test_lookup_gate_calibration_matches_per_row_brute_force(tiny_checkpoint):
+    from test_lookup import _brute
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 5)
+    head = _head(m)
+    confs, ratios = (1.0, 0.9, 0.5, 0.0), (0.1, 0.5, 1.0)
+    res = calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), batch_size=3, max_seq_len=64, lookup=1,
+                    gate_confidences=confs, gate_ratios=ratios)
+    gate = res["lookup_gate"]
+    tr = PdmTrainer(m, head, TrainConfig())
+    dv = head.draft_vocab.tolist()
+    right = {(c, r): 0 for c in confs for r in ratios}
+    rows = matched = 0
+    for smp in data:
+        seq = smp["prompt_ids"] + smp["response_ids"]
+        ids = torch.tensor([seq])
+        P, T = len(smp["prompt_ids"]), ids.shape[1]
+        anchors, logits = tr.teacher_forward(ids, torch.tensor([T]))
+        q_logits, _ = tr.student_logits(anchors, torch.tensor([T]), None, torch.arange(T))
+        for r in range(P - 1, T - 1):
+            rows += 1
+            q = torch.softmax(q_logits[r].float(), -1)
+            y, own, top = int(logits[0, r].argmax()), dv[int(q.argmax())], float(q.max())
+            copy = _brute(seq, r, 1) if r >= 1 else None
+            matched += copy is not None
+            p_copy = float(q[dv.index(copy)]) if copy in dv else 0.0
+            for c in confs:
+                for ra in ratios:
+                    use_copy = copy is not None and not (top > c and p_copy < ra * top)
+                    right[c, ra] += (copy if use_copy else own) == y
+    assert gate["rows"] == rows and gate["rows_matched"] == matched > 0
+    for (c, ra), k in right.items():
+        assert gate["grid"][f"{c},{ra}"] == pytest.approx(k / rows)
+    assert len(set(gate["grid"].values())) > 1  # the gate changes drafts on these samples
+    with pytest.raises(SpdConfigError, match=r"lookup gate confidences and ratios must be numbers in \[0, 1\], got 2"):
+        calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=2, gate_confidences=(2.0,))
+    with pytest.raises(SpdConfigError, match="lookup must be an integer from 0 to 64"):
+        calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=-1)

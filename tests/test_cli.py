@@ -174,6 +174,9 @@ def test_info_text_and_json(capsys):
     assert isinstance(d["cached_models"], list) and isinstance(d["shipped_heads"], list)
     for h in d["shipped_heads"]:  # each shipped head is readable and states its sampling calibration
         assert "error" not in h and 0.05 <= h["draft_temperature_scale"] <= 20
+        assert len(h["lookup_gate"]) == 2 and all(0 <= v <= 1 for v in h["lookup_gate"])
+    rc, out, _ = run_cli(["info"], capsys)
+    assert all(f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}" in out for h in d["shipped_heads"])
 
 
 # ---- train ---------------------------------------------------------------------------------------

@@ -107,3 +107,97 @@ def test_lookup_argument_errors():
         spd_fast.generate("hi", lookup=-2)
     with pytest.raises(SpdConfigError, match=r"lookup must be an integer from 0 to 64.*got 2.5"):
         PdmDrafter(None, lookup=2.5)
+
+
+def _gated(head, conf, ratio):
+    import copy
+    import dataclasses
+
+    h = copy.deepcopy(head)
+    h.dcfg = dataclasses.replace(h.dcfg, lookup_gate_confidence=conf, lookup_gate_ratio=ratio)
+    return h
+
+
+def test_lookup_gate_matches_its_rule_draft_by_draft(tiny_checkpoint, monkeypatch):
+    """Every draft of a gated run is the copy or the PDM's argmax exactly as the rule says (brute force
+    from the PDM's probabilities); the gate both keeps and lets through copies on this run."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = _gated(random_head(m, b, vocab=97), 0.02, 0.5)  # a random head is never very sure
+    seen = []
+    real_lookup, real_sample = drafters_mod.lookup_next, drafters_mod.draft_sample
+
+    def sample(logits, vocab, V, params, gen):
+        seen.append({"p": torch.softmax(logits.float(), -1), "vocab": vocab})
+        return real_sample(logits, vocab, V, params, gen)
+
+    def lookup(tokens, p_new, k):
+        found, tok = real_lookup(tokens, p_new, k)
+        seen[-1].update(found=bool(found), copied=int(tok))
+        return found, tok
+
+    monkeypatch.setattr(drafters_mod, "draft_sample", sample)
+    monkeypatch.setattr(drafters_mod, "lookup_next", lookup)
+    d = PdmDrafter(head, lookup=2)
+    drafts = []
+    real_draft = d.draft
+
+    def draft(*a):
+        tok, q = real_draft(*a)
+        drafts.append(tok)
+        return tok, q
+
+    d.draft = draft
+    ids = [5, 17, 3, 9, 5, 17, 3, 9]
+    res = SPDEngine(m, d, b).run(ids, 40, GREEDY, [])
+    assert res.token_ids == decode_ar(m, ids, 40, GREEDY, []).token_ids
+    kept = copied = 0
+    for s, tok in zip(seen, drafts):
+        own = int(s["vocab"][s["p"].argmax()])
+        if "found" not in s or not s["found"]:
+            assert int(tok) == own
+            continue
+        slot = (s["vocab"] == s["copied"]).nonzero()
+        p_copy = float(s["p"][slot[0, 0]]) if slot.numel() else 0.0
+        top = float(s["p"].max())
+        keep = top > 0.02 and p_copy < 0.5 * top
+        assert int(tok) == (own if keep else s["copied"])
+        kept += keep and own != s["copied"]
+        copied += not keep
+    assert kept > 0 and copied > 0
+
+
+def test_lookup_gate_extremes_and_executors_agree(tiny_checkpoint):
+    """Gate (1, 0) is the ungated lookup; gate (0, 1) never lets a copy change the PDM's draft, so it
+    drafts like lookup 0; a middle gate gives the same counts on the sequential and the sync-free
+    pipelined executor, and greedy output equals AR throughout."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = random_head(m, b, vocab=97)
+    ids = [5, 17, 3, 9, 5, 17, 3, 9]
+    ref = decode_ar(m, ids, 40, GREEDY, []).token_ids
+
+    def run(h, lookup, pipe=False):
+        eng = SPDEngine(m, PdmDrafter(h, lookup=lookup), b)
+        res = (PipelinedEngine(eng, "simulated") if pipe else eng).run(ids, 40, GREEDY, [])
+        assert res.token_ids == ref
+        return tuple(res.metrics[k] for k in ("cycles", "verifications", "accepted"))
+
+    ungated, plain = run(head, 2), run(head, 0)
+    assert ungated != plain
+    assert run(_gated(head, 1.0, 0.0), 2) == ungated
+    assert run(_gated(head, 0.0, 1.0), 2) == plain
+    mid = _gated(head, 0.02, 0.5)
+    assert run(mid, 2) == run(mid, 2, pipe=True)
+
+
+def test_lookup_gate_config_errors(tiny_checkpoint):
+    from spd_fast.pdm import DraftMismatchError
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    head = random_head(m, uniform_boundaries(m.cfg.num_layers, 3), vocab=97)
+    for conf, ratio, name, bad in ((1.5, 0.5, "lookup_gate_confidence", 1.5), (0.5, -0.1, "lookup_gate_ratio", -0.1),
+                                   (0.5, True, "lookup_gate_ratio", True)):
+        with pytest.raises(DraftMismatchError, match=rf"{name} {bad!r} is out of range: it must be a number in "
+                                                     r"\[0, 1\].*fix draft_config.json"):
+            _gated(head, conf, ratio)

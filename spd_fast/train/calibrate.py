@@ -10,6 +10,11 @@ uses the q the draft was drawn from.
 (the pipeline's steady state) for a grid of scales and temperatures; `python -m
 spd_fast.train.calibrate HEAD --val FILE --write` stores the best common scale in the head's
 draft_config.json (`draft_temperature_scale`), which PdmDrafter applies at every temperature > 0.
+
+The same pass calibrates the context-lookup gate (`lookup_gate_confidence`, `lookup_gate_ratio`): on
+every row where a match of the k newest tokens proposes a copy, it records the PDM's top probability,
+the copied token's PDM probability and which of the two is the target's greedy token, and picks the
+gate with the highest greedy draft accuracy over all rows (the no-gate default wins ties).
 """
 from __future__ import annotations
 
@@ -25,15 +30,46 @@ import torch
 
 DEFAULT_SCALES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15)
 DEFAULT_TEMPERATURES = (0.7, 1.0)
+DEFAULT_GATE_CONFIDENCES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+DEFAULT_GATE_RATIOS = (0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool]], rows: int, pdm_right: int,
+                      confidences: Sequence[float], ratios: Sequence[float]) -> dict:
+    """Greedy draft accuracy of each lookup gate. fired: one (PDM top probability, copied token's PDM
+    probability, copy right, PDM right) per row where the lookup matched; rows / pdm_right: all rows and
+    those the PDM alone gets right. The gate keeps the PDM's draft iff top > confidence and
+    p_copy < ratio * top (drafters.PdmDrafter.copy_allowed)."""
+    from ..pdm import NO_LOOKUP_GATE
+
+    def accuracy(conf: float, ratio: float) -> float:
+        right = pdm_right
+        for top, p_copy, copy_ok, pdm_ok in fired:
+            if not (top > conf and p_copy < ratio * top):  # the copy is drafted
+                right += int(copy_ok) - int(pdm_ok)
+        return right / max(rows, 1)
+
+    grid = {f"{c},{r}": accuracy(c, r) for c in confidences for r in ratios}
+    best, best_acc = NO_LOOKUP_GATE, accuracy(*NO_LOOKUP_GATE)
+    for c in confidences:
+        for r in ratios:
+            if grid[f"{c},{r}"] > best_acc + 1e-12:
+                best, best_acc = (c, r), grid[f"{c},{r}"]
+    return {"rows": rows, "rows_matched": len(fired), "pdm_alone": pdm_right / max(rows, 1),
+            "no_gate": accuracy(*NO_LOOKUP_GATE), "grid": grid, "best": list(best), "best_accuracy": best_acc}
 
 
 @torch.no_grad()
 def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
-              scales: Sequence[float] = DEFAULT_SCALES, batch_size: int = 8, max_seq_len: int = 512) -> dict:
+              scales: Sequence[float] = DEFAULT_SCALES, batch_size: int = 8, max_seq_len: int = 512,
+              lookup: int = 0, gate_confidences: Sequence[float] = DEFAULT_GATE_CONFIDENCES,
+              gate_ratios: Sequence[float] = DEFAULT_GATE_RATIOS) -> dict:
     """-> {"rows", "top1", "acceptance": {"T": {"s": expected acceptance}}, "mean": {"s": mean over T},
-    "best_scale"}. Rows: the assistant positions of `samples`, each scored as the newest token."""
-    from ..config import SpdConfigError
-    from ..pdm import SCALE_RANGE, valid_scale
+    "best_scale"}, plus "lookup_gate" (lookup_gate_table) when lookup = k > 0. Rows: the assistant
+    positions of `samples`, each scored as the newest token."""
+    from ..config import SpdConfigError, check_lookup
+    from ..ops import lookup_next
+    from ..pdm import SCALE_RANGE, valid_fraction, valid_scale
     from .trainer import PdmTrainer, TrainConfig, collate
 
     if not samples:
@@ -44,6 +80,12 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in scales:
         if not valid_scale(x):
             raise SpdConfigError(f"scales must be numbers in [{SCALE_RANGE[0]}, {SCALE_RANGE[1]}], got {x!r}")
+    check_lookup(lookup)
+    for x in list(gate_confidences) + list(gate_ratios):
+        if not valid_fraction(x):
+            raise SpdConfigError(f"lookup gate confidences and ratios must be numbers in [0, 1], got {x!r}")
+    fired: list[tuple[float, float, bool, bool]] = []
+    pdm_right = 0
     head.eval()
     tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
     dv = head.draft_vocab
@@ -60,7 +102,24 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             s_logits = s_logits.float()
             t_logits = logits.float().reshape(-1, logits.shape[-1])[sel]
             rows += sel.numel()
-            agree += float((dv[s_logits.argmax(-1)] == t_logits.argmax(-1)).sum())
+            y = t_logits.argmax(-1)
+            right = dv[s_logits.argmax(-1)] == y
+            agree += float(right.sum())
+            if lookup:
+                pdm_right += int(right.sum())
+                q = torch.softmax(s_logits, -1)
+                slot = torch.full((t_logits.shape[-1],), -1, dtype=torch.long).scatter_(
+                    0, dv.long().cpu(), torch.arange(dv.numel()))
+                T = ids.shape[1]
+                for row, flat in enumerate(sel.tolist()):
+                    b, r = divmod(flat, T)
+                    if r < lookup:
+                        continue
+                    found, copied = lookup_next(ids[b, :r + 1], torch.tensor(r), lookup)
+                    if bool(found):
+                        c = int(copied)
+                        p_copy = float(q[row, slot[c]]) if slot[c] >= 0 else 0.0
+                        fired.append((float(q[row].max()), p_copy, c == int(y[row]), bool(right[row])))
             for t in temperatures:
                 p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
                 for s in scales:
@@ -71,14 +130,21 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     acc = {str(t): {str(s): sums[(t, s)] / rows_ for s in scales} for t in temperatures}
     mean = {str(s): sum(acc[str(t)][str(s)] for t in temperatures) / len(temperatures) for s in scales}
     best = max(scales, key=lambda s: mean[str(s)])
-    return {"rows": int(rows), "top1": agree / rows_, "acceptance": acc, "mean": mean, "best_scale": best}
+    res = {"rows": int(rows), "top1": agree / rows_, "acceptance": acc, "mean": mean, "best_scale": best}
+    if lookup:
+        res["lookup_gate"] = dict(lookup_gate_table(fired, int(rows), pdm_right, gate_confidences, gate_ratios),
+                                  lookup=lookup)
+    return res
 
 
-def write_scale(head_dir: str | Path, scale: float) -> None:
-    """Set draft_temperature_scale in a head directory's draft_config.json."""
+def write_scale(head_dir: str | Path, scale: float, lookup_gate: Sequence[float] | None = None) -> None:
+    """Set draft_temperature_scale (and, if given, the lookup gate) in a head directory's draft_config.json."""
     from ..pdm import read_draft_config
 
     dcfg = dataclasses.replace(read_draft_config(head_dir), draft_temperature_scale=float(scale))
+    if lookup_gate is not None:
+        dcfg = dataclasses.replace(dcfg, lookup_gate_confidence=float(lookup_gate[0]),
+                                   lookup_gate_ratio=float(lookup_gate[1]))
     (Path(head_dir) / "draft_config.json").write_text(dcfg.to_json())
 
 
@@ -90,7 +156,7 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import SpdConfigError
+    from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = argparse.ArgumentParser(prog="spd_fast.train.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,8 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-limit", type=int, default=140, help="use at most this many samples")
     p.add_argument("--temperatures", type=_floats, default=list(DEFAULT_TEMPERATURES))
     p.add_argument("--scales", type=_floats, default=list(DEFAULT_SCALES))
+    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP, metavar="K",
+                   help=f"calibrate the lookup gate for context matches of K tokens (default {DEFAULT_LOOKUP}, "
+                        "the runtime's default; 0 skips it)")
+    p.add_argument("--gate-confidences", type=_floats, default=list(DEFAULT_GATE_CONFIDENCES))
+    p.add_argument("--gate-ratios", type=_floats, default=list(DEFAULT_GATE_RATIOS))
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--write", action="store_true", help="store the best scale in the head's draft_config.json")
+    p.add_argument("--write", action="store_true",
+                   help="store the best scale (and lookup gate) in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
     if a.threads:
@@ -115,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
         target = load_target(a.model)
         head = load_draft(a.head, target.model, target.fingerprint)
-        res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales)
+        res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
+                        lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios)
     except SpdConfigError as e:
         print(f"spd_fast.train.calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -127,11 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{res['acceptance'][str(t)][str(s)]:.4f}" for t in a.temperatures)
         print(f"| {s} | {cells} | {res['mean'][str(s)]:.4f} |")
     print(f"best scale {res['best_scale']} (rows {res['rows']}, greedy top-1 {res['top1']:.4f})")
+    gate = res.get("lookup_gate")
+    if gate:
+        print(f"\nlookup gate (k={a.lookup}; {gate['rows_matched']} of {gate['rows']} rows matched): greedy draft "
+              f"accuracy, PDM alone {gate['pdm_alone']:.4f}, every match copied {gate['no_gate']:.4f}")
+        print("| confidence | " + " | ".join(f"ratio {r}" for r in a.gate_ratios) + " |")
+        print("|---|" + "---|" * len(a.gate_ratios))
+        for c in a.gate_confidences:
+            print(f"| {c} | " + " | ".join(f"{gate['grid'][f'{c},{r}']:.4f}" for r in a.gate_ratios) + " |")
+        print(f"best gate: confidence {gate['best'][0]}, ratio {gate['best'][1]} ({gate['best_accuracy']:.4f})")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     if a.write:
-        write_scale(a.head, res["best_scale"])
-        print(f"wrote draft_temperature_scale={res['best_scale']} to {Path(a.head) / 'draft_config.json'}")
+        write_scale(a.head, res["best_scale"], gate["best"] if gate else None)
+        print(f"wrote draft_temperature_scale={res['best_scale']}"
+              + (f", lookup_gate_confidence={gate['best'][0]}, lookup_gate_ratio={gate['best'][1]}" if gate else "")
+              + f" to {Path(a.head) / 'draft_config.json'}")
     return 0
 
 
