@@ -20,6 +20,7 @@ Prints a short table last and writes everything to OUT/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -132,6 +133,13 @@ def kernel_bench(out: Path, compile: bool = True) -> dict:
 
 
 # ---- 2. exactness ---------------------------------------------------------------------------------
+def gated(head):
+    """A head whose lookup gate acts (a random head is never sure, so confidence 0 makes it): the
+    gate's device-side ops run in every executor and CUDA graph below."""
+    head.dcfg = dataclasses.replace(head.dcfg, lookup_gate_confidence=0.0, lookup_gate_ratio=0.5)
+    return head
+
+
 def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, placements: list[str]) -> list[dict]:
     rows = []
     m = random_model(cfg, dev, dtype, max_len=256)
@@ -144,7 +152,7 @@ def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, 
     b = uniform_boundaries(cfg.num_layers, n)
     full = [0] * len(ids) + static
     drafters = {"random PDM": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096)),
-                "random PDM + lookup 3": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096), lookup=3),
+                "random PDM + gated lookup 3": lambda: PdmDrafter(gated(random_head(m, n, layers=1, vocab=4096)), lookup=3),
                 "right 50%": lambda: ReferenceDrafter(full, cfg.vocab_size, "bernoulli", p_right=0.5, seed=2)}
     for dname, mk in drafters.items():
         seq = SPDEngine(m, mk(), b).run(ids, new, GREEDY, [])

@@ -50,6 +50,8 @@ class PdmDrafter:
         head, P = self.head, st.prompt_len
         if head.max_len != engine.model.max_len:
             head.setup_cache(engine.model.max_len)
+        if self.lookup:
+            self._copy_slot()
         pos = torch.arange(P, device=st.tokens.device)
         types = engine.depth_type[engine.n].expand(P)
         g = head.aggregate(st.anchors[:P], types)
@@ -79,14 +81,19 @@ class PdmDrafter:
         conf, ratio = self.head.dcfg.lookup_gate_confidence, self.head.dcfg.lookup_gate_ratio
         if conf >= 1.0:
             return torch.ones((), dtype=torch.bool, device=logits_d.device)
+        p = torch.softmax(logits_d.float(), -1)
+        top = p.max()
+        p_copy = torch.cat([p, p.new_zeros(1)]).index_select(0, self._copy_slot().index_select(0, copied.view(1)))[0]
+        return ~((top > conf) & (p_copy < ratio * top))
+
+    def _copy_slot(self) -> torch.Tensor:
+        """full vocab id -> its row in the draft vocabulary, V_d outside it. Built eagerly (prefill calls
+        this), never first inside a CUDA-graph capture, where its fill would only run at replay."""
         vocab = self.head.draft_vocab
         if self._slot is None or self._slot.device != vocab.device:
             slot = torch.full((self.head.tcfg.vocab_size,), vocab.numel(), dtype=torch.long, device=vocab.device)
             self._slot = slot.scatter_(0, vocab.long(), torch.arange(vocab.numel(), device=vocab.device))
-        p = torch.softmax(logits_d.float(), -1)
-        top = p.max()
-        p_copy = torch.cat([p, p.new_zeros(1)]).index_select(0, self._slot.index_select(0, copied.view(1)))[0]
-        return ~((top > conf) & (p_copy < ratio * top))
+        return self._slot
 
     def _with_lookup(self, tokens: torch.Tensor, p_new: torch.Tensor, tok: torch.Tensor,
                      q: torch.Tensor | None, logits_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
