@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 INIT=${1:-spd_fast/heads/smollm2-135m-instruct-n3}
 PY=${PY:-.venv/bin/python}
+[ -f "$INIT/draft.safetensors" ] || { echo "gpu_prepare.sh: $INIT holds no draft.safetensors of its own; pass a head directory that does (the shipped n=2 head reads the n=3 head's file)" >&2; exit 2; }
 G=$($PY -c "from spd_fast.store import default_gguf_path; print(default_gguf_path())")
 TOK=$($PY -c "from spd_fast.store import convert_gguf, default_gguf_path; print(convert_gguf(default_gguf_path(), progress=False))")
 for d in .gpu_carry1 .gpu_carry2; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device tool copies the working tree (tracked files and untracked, not-ignored ones) and allows
-# 64 MiB per call with the carry. The shipped heads alone are 56 MB, so the calls that carry the model
-# (bench/gpu_prepare.sh) need them out of the tree. This script does that on a throwaway branch and
+# 64 MiB per call with the carry. The shipped heads are 28 MB, so the calls that carry the model
+# (bench/gpu_prepare.sh, parts of 58 MB) need them out of the tree. This script does that on a throwaway branch and
 # undoes it afterwards; main and its working tree are left as they were.
 #   bash bench/gpu_tree.sh slim      # branch gpu-slim: spd_fast/heads untracked and ignored
 #   bash bench/gpu_tree.sh restore   # back to the branch you came from; gpu-slim deleted

@@ -106,6 +106,7 @@ def _heads() -> list[dict[str, Any]]:
                               "draft_vocab_size": dc.draft_vocab_size, "base_model_type": dc.base_model_type,
                               "draft_temperature_scale": dc.draft_temperature_scale,
                               "lookup_gate": [dc.lookup_gate_confidence, dc.lookup_gate_ratio],
+                              "weights": dc.weights,
                               "size_mib": round(_dir_mib(d), 1)})
             except Exception as e:  # a broken head must not break `info`
                 heads.append({"name": d.name, "error": f"{type(e).__name__}: {e}"})
@@ -155,6 +156,8 @@ def _print_text(d: dict[str, Any]) -> None:
     print(f"{'cache:':16}{d['cache_root']}")
     for m in d["cached_models"] or [{"path": "(none yet; the first load converts the GGUF)", "size_mib": 0}]:
         print(f"  {m['path']}" + (f" ({m['size_mib']} MiB)" if m["size_mib"] else ""))
+    from .pdm import WEIGHTS_FILE
+
     print("shipped heads:" + ("" if d["shipped_heads"] else " none (generate falls back to a random head)"))
     for h in d["shipped_heads"]:
         if "error" in h:
@@ -162,7 +165,8 @@ def _print_text(d: dict[str, Any]) -> None:
         else:
             print(f"  {h['name']}: n={h['num_stages']}, boundaries {h['boundaries']}, L_s={h['draft_layers']}, "
                   f"V_d={h['draft_vocab_size']}, drafts at {h['draft_temperature_scale']:g} x T when sampling, "
-                  f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}, {h['size_mib']} MiB")
+                  f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}, {h['size_mib']} MiB"
+                  + ("" if h["weights"] == WEIGHTS_FILE else f" (weights shared: {h['weights']})"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ g = W_t · concat(h^{b_0}, ..., h^{b_t}).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,6 +19,7 @@ from .config import ModelConfig, SpdConfigError, check_layer_indices, validate_b
 from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
+WEIGHTS_FILE = "draft.safetensors"
 SCALE_RANGE = (0.05, 20.0)  # allowed draft_temperature_scale
 NO_LOOKUP_GATE = (1.0, 0.0)  # (lookup_gate_confidence, lookup_gate_ratio) that never keeps the PDM's draft
 
@@ -59,6 +60,9 @@ class DraftConfig:
     # probability is below `ratio` times that top probability. (1.0, 0.0) always copies.
     lookup_gate_confidence: float = NO_LOOKUP_GATE[0]
     lookup_gate_ratio: float = NO_LOOKUP_GATE[1]
+    # the weights file, relative to the head directory: a head that shares another head's weights
+    # (the shipped n=2 head reads the n=3 head's) names that file; save() always writes its own
+    weights: str = WEIGHTS_FILE
 
     def __post_init__(self) -> None:
         s = self.draft_temperature_scale
@@ -237,8 +241,8 @@ class DraftHead(nn.Module):
         sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
               for k, v in self.state_dict().items()
               if not (self.dcfg.frozen_lm_head and k == "lm_head.weight")}
-        save_file(sd, str(path / "draft.safetensors"))
-        (path / "draft_config.json").write_text(self.dcfg.to_json())
+        save_file(sd, str(path / WEIGHTS_FILE))
+        (path / "draft_config.json").write_text(replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
 
 
 def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:
@@ -269,18 +273,26 @@ def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
 def read_draft_config(path: str | Path) -> DraftConfig:
     """The DraftConfig of a head directory, with a clear error when it is not one."""
     path = Path(path)
-    cfg_file, w_file = path / "draft_config.json", path / "draft.safetensors"
+    cfg_file = path / "draft_config.json"
     if not path.exists():
         raise DraftMismatchError(f"draft head {path} does not exist; pass a head directory (draft_config.json + "
                                  "draft.safetensors), draft='random', or draft=None for the shipped head")
-    if not cfg_file.is_file() or not w_file.is_file():
+    if not cfg_file.is_file():
         raise DraftMismatchError(
             f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
     try:
-        return DraftConfig.from_json(cfg_file.read_text())
+        dcfg = DraftConfig.from_json(cfg_file.read_text())
     except (json.JSONDecodeError, TypeError, KeyError) as e:
         raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({type(e).__name__}: {e}); "
                                  "re-save the head or point draft= at another one") from e
+    if not (path / dcfg.weights).is_file():
+        if dcfg.weights == WEIGHTS_FILE:
+            raise DraftMismatchError(
+                f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
+        raise DraftMismatchError(f"{path}: the weights file {dcfg.weights!r} that its draft_config.json names "
+                                 f"(relative to the head directory) does not exist; fix 'weights' there or "
+                                 f"put the file back")
+    return dcfg
 
 
 def load_draft(path: str | Path, target, fingerprint: str,
@@ -289,7 +301,8 @@ def load_draft(path: str | Path, target, fingerprint: str,
     from safetensors.torch import load_file
 
     path = Path(path)
-    dcfg, w_file = read_draft_config(path), path / "draft.safetensors"
+    dcfg = read_draft_config(path)
+    w_file = path / dcfg.weights
     target_cfg = target.cfg
     dcfg.check_compatible(target_cfg, fingerprint, num_stages, boundaries)
     try:

@@ -177,6 +177,8 @@ def test_info_text_and_json(capsys):
         assert len(h["lookup_gate"]) == 2 and all(0 <= v <= 1 for v in h["lookup_gate"])
     rc, out, _ = run_cli(["info"], capsys)
     assert all(f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}" in out for h in d["shipped_heads"])
+    shared = [h for h in d["shipped_heads"] if h["weights"] != "draft.safetensors"]
+    assert all(f"(weights shared: {h['weights']})" in out for h in shared)
 
 
 # ---- train ---------------------------------------------------------------------------------------

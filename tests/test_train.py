@@ -139,6 +139,48 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     assert state["step"] == 6
 
 
+def test_a_head_can_share_another_heads_weights_file(tiny_checkpoint, tmp_path):
+    """draft_config.json's `weights` names the weights file relative to the head directory (the shipped
+    n=2 head reads the n=3 head's file); a missing one is a clear error; save() writes its own file."""
+    import dataclasses
+    import json
+
+    from spd_fast.pdm import DraftConfig, DraftHead, DraftMismatchError, init_from_target
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = (0, 2, 4, 6)
+    src = init_from_target(DraftHead(DraftConfig.make(m.cfg, b, None, 1, 97, "tiny"), m.cfg, m.norm), m, 1)
+    src.save(tmp_path / "a")
+    shared = tmp_path / "b"
+    shared.mkdir()
+    cfg = dataclasses.replace(src.dcfg, boundaries=(0, 3, 6), num_stages=2, weights="../a/draft.safetensors")
+    (shared / "draft_config.json").write_text(cfg.to_json())
+    a, sb = load_draft(tmp_path / "a", m, "tiny"), load_draft(shared, m, "tiny")
+    assert sb.dcfg.num_stages == 2 and a.dcfg.num_stages == 3
+    for (k, v), (k2, v2) in zip(a.state_dict().items(), sb.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    sb.save(tmp_path / "c")  # a re-saved head owns its weights
+    assert json.loads((tmp_path / "c" / "draft_config.json").read_text())["weights"] == "draft.safetensors"
+    assert (tmp_path / "c" / "draft.safetensors").is_file()
+    (tmp_path / "a" / "draft.safetensors").unlink()
+    with pytest.raises(DraftMismatchError, match=r"the weights file '\.\./a/draft\.safetensors' that its "
+                                                 r"draft_config.json names .* does not exist; fix 'weights'"):
+        load_draft(shared, m, "tiny")
+    with pytest.raises(DraftMismatchError, match=r"is not a draft head checkpoint \(expected draft_config.json and "
+                                                 r"draft.safetensors in it\)"):
+        load_draft(tmp_path / "a", m, "tiny")
+
+
+def test_the_shipped_n2_head_reads_the_n3_heads_weights():
+    from spd_fast.pdm import read_draft_config
+    from spd_fast.api import HEADS_DIR
+
+    n2, n3 = read_draft_config(HEADS_DIR / "smollm2-135m-instruct-n2"), read_draft_config(HEADS_DIR / "smollm2-135m-instruct-n3")
+    assert (n2.num_stages, n3.num_stages) == (2, 3) and n2.anchors == n3.anchors
+    assert (HEADS_DIR / "smollm2-135m-instruct-n2" / n2.weights).resolve() == \
+        (HEADS_DIR / "smollm2-135m-instruct-n3" / n3.weights).resolve()
+
+
 def test_validation_scores_held_out_data_and_keeps_the_best_head(tiny_checkpoint, tmp_path):
     import json
 
