@@ -251,6 +251,13 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def _cached_engine(**kw: Any) -> Engine:
+    if kw.get("num_stages") is None and kw.get("placement") != "distributed":
+        # the n that load() would pick, so num_stages=None and its explicit value share one engine
+        d = kw.get("draft")
+        if d in (None, "random"):
+            kw["num_stages"] = DEFAULT_NUM_STAGES
+        elif isinstance(d, (str, os.PathLike)) and str(d).strip():  # anything else: load() names the error
+            kw["num_stages"] = read_draft_config(d).num_stages
     key = tuple(sorted((k, str(v)) for k, v in kw.items()))
     if key not in _ENGINES:
         _ENGINES.clear()  # keep one model in memory

@@ -320,5 +320,7 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     assert list(spd_fast.stream("hi", max_new_tokens=2)) == ["s"]
     assert spd_fast.generate("hi", max_new_tokens=3) == "g"
     assert len(loads) == 1
+    assert spd_fast.generate("hi", max_new_tokens=2, num_stages=3) == "g"  # the default n, spelled out: same engine
+    assert len(loads) == 1
     spd_fast.generate("hi", max_new_tokens=2, lookup=0)  # another engine: loaded (and the old one dropped)
     assert len(loads) == 2
