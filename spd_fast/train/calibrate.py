@@ -86,6 +86,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             raise SpdConfigError(f"lookup gate confidences and ratios must be numbers in [0, 1], got {x!r}")
     fired: list[tuple[float, float, bool, bool]] = []
     pdm_right = 0
+    slot: torch.Tensor | None = None
     head.eval()
     tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
     dv = head.draft_vocab
@@ -108,8 +109,9 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             if lookup:
                 pdm_right += int(right.sum())
                 q = torch.softmax(s_logits, -1)
-                slot = torch.full((t_logits.shape[-1],), -1, dtype=torch.long).scatter_(
-                    0, dv.long().cpu(), torch.arange(dv.numel()))
+                if slot is None:  # full vocab id -> its row of the draft vocabulary, -1 outside it
+                    slot = torch.full((t_logits.shape[-1],), -1, dtype=torch.long).scatter_(
+                        0, dv.long().cpu(), torch.arange(dv.numel()))
                 T = ids.shape[1]
                 for row, flat in enumerate(sel.tolist()):
                     b, r = divmod(flat, T)
