@@ -27,54 +27,38 @@ def main() -> None:
     p.add_argument("--lookup", type=int, default=3)
     a = p.parse_args()
     warnings.simplefilter("ignore")
-    from spd_fast.ops import lookup_next
-    from spd_fast.pdm import load_draft
+    from spd_fast.pdm import draft_vocab_slots, gate_keeps_pdm, load_draft
     from spd_fast.runtime import load_target
+    from spd_fast.train.calibrate import lookup_matches, teacher_rows
     from spd_fast.train.data import read_val_samples
-    from spd_fast.train.trainer import PdmTrainer, TrainConfig, collate
 
     target = load_target(None)
     head = load_draft(a.head, target.model, target.fingerprint)
     dc = head.dcfg
     samples = read_val_samples([a.val], target)[: a.val_limit]
-    tr = PdmTrainer(target.model, head, TrainConfig(max_seq_len=512))
     dv, V = head.draft_vocab, target.model.cfg.vocab_size
-    slot = torch.full((V,), -1, dtype=torch.long).scatter_(0, dv.long(), torch.arange(dv.numel()))
+    slot = draft_vocab_slots(dv, V)
     sums = {(t, lam): 0.0 for t in TEMPERATURES for lam in LAMBDAS}
     rows = copies = 0
-    with torch.no_grad():
-        for i in range(0, len(samples), 8):
-            ids, lens, mask = collate(samples[i:i + 8], 512)
-            anchors, logits = tr.teacher_forward(ids, lens)
-            sel = mask.reshape(-1).nonzero().squeeze(1)
-            s_logits, _ = tr.student_logits(anchors, lens, None, sel)
-            s_logits, t_logits = s_logits.float(), logits.float().reshape(-1, V)[sel]
-            q_raw = torch.softmax(s_logits, -1)  # what the gate reads
-            for row, flat in enumerate(sel.tolist()):
-                b, r = divmod(flat, ids.shape[1])
-                rows += 1
-                copy = None
-                if r >= a.lookup:
-                    found, c = lookup_next(ids[b, :r + 1], torch.tensor(r), a.lookup)
-                    if bool(found):
-                        c = int(c)
-                        top = float(q_raw[row].max())
-                        p_copy = float(q_raw[row, slot[c]]) if slot[c] >= 0 else 0.0
-                        if not (top > dc.lookup_gate_confidence and p_copy < dc.lookup_gate_ratio * top):
-                            copy = c
-                copies += copy is not None
-                for t in TEMPERATURES:
-                    pt = torch.softmax(t_logits[row] / t, -1)
-                    q = torch.zeros(V)
-                    q[dv] = torch.softmax(s_logits[row] / (t * dc.draft_temperature_scale), -1)
-                    base = float(torch.minimum(pt, q).sum())
-                    for lam in LAMBDAS:
-                        if copy is None:
-                            sums[t, lam] += base
-                        else:
-                            qm = (1 - lam) * q
-                            qm[copy] += lam
-                            sums[t, lam] += float(torch.minimum(pt, qm).sum())
+    for ids, sel, s_logits, t_logits in teacher_rows(target, head, samples):
+        q_raw = torch.cat([torch.softmax(s_logits, -1), s_logits.new_zeros(len(s_logits), 1)], 1)  # what the gate reads
+        copy_of = {row: c for row, c in lookup_matches(ids, sel, a.lookup)
+                   if not gate_keeps_pdm(float(q_raw[row].max()), float(q_raw[row, slot[c]]),
+                                         dc.lookup_gate_confidence, dc.lookup_gate_ratio)}
+        rows += sel.numel()
+        copies += len(copy_of)
+        for t in TEMPERATURES:
+            pt = torch.softmax(t_logits / t, -1)
+            q = torch.zeros_like(pt)
+            q[:, dv] = torch.softmax(s_logits / (t * dc.draft_temperature_scale), -1)
+            base = torch.minimum(pt, q).sum(-1)
+            for lam in LAMBDAS:
+                total = float(base.sum())
+                for row, c in copy_of.items():
+                    qm = (1 - lam) * q[row]
+                    qm[c] += lam
+                    total += float(torch.minimum(pt[row], qm).sum()) - float(base[row])
+                sums[t, lam] += total
     print(f"{rows} rows, {copies} drafted as copies (gate {dc.lookup_gate_confidence}/{dc.lookup_gate_ratio})")
     print("| T | " + " | ".join(f"lambda {lam}" for lam in LAMBDAS) + " |")
     print("|---|" + "---|" * len(LAMBDAS))

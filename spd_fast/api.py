@@ -191,8 +191,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     for name, value in (("draft_layers", draft_layers), ("seed", seed)):
         if (value is not None or name == "seed") and (not isinstance(value, int) or isinstance(value, bool)):
             raise SpdConfigError(f"{name} must be an integer, got {value!r}")
-    if num_stages is None and boundaries is None and draft not in (None, "random") and placement != "distributed":
-        num_stages = read_draft_config(draft).num_stages  # a trained head brings its own n
+    num_stages = _default_num_stages(num_stages, draft, placement, boundaries)
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
 
@@ -250,14 +249,23 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
 _ENGINES: dict[tuple, Engine] = {}
 
 
+def _default_num_stages(num_stages: int | None, draft: Any, placement: str | None,
+                        boundaries: Any = None) -> int | None:
+    """The n load() runs with when num_stages is None: a trained head's own n, else 3. None stays None
+    where load() decides later (boundaries given, placement="distributed") or where `draft` is not a
+    head path (load() names that error)."""
+    if num_stages is not None or boundaries is not None or placement == "distributed":
+        return num_stages
+    if draft in (None, "random"):
+        return DEFAULT_NUM_STAGES
+    if isinstance(draft, (str, os.PathLike)) and str(draft).strip():
+        return read_draft_config(draft).num_stages
+    return None
+
+
 def _cached_engine(**kw: Any) -> Engine:
-    if kw.get("num_stages") is None and kw.get("placement") != "distributed":
-        # the n that load() would pick, so num_stages=None and its explicit value share one engine
-        d = kw.get("draft")
-        if d in (None, "random"):
-            kw["num_stages"] = DEFAULT_NUM_STAGES
-        elif isinstance(d, (str, os.PathLike)) and str(d).strip():  # anything else: load() names the error
-            kw["num_stages"] = read_draft_config(d).num_stages
+    # the n load() would pick, so num_stages=None and its explicit value share one engine
+    kw["num_stages"] = _default_num_stages(kw.get("num_stages"), kw.get("draft"), kw.get("placement"))
     key = tuple(sorted((k, str(v)) for k, v in kw.items()))
     if key not in _ENGINES:
         _ENGINES.clear()  # keep one model in memory

@@ -11,7 +11,7 @@ from .config import check_lookup
 from .engine import PipelineState, SPDEngine
 from .model import kv_bound_for
 from .ops import draft_sample, lookup_next
-from .pdm import DraftHead
+from .pdm import DraftHead, draft_vocab_slots, gate_keeps_pdm
 from .sampling import MIN_TEMPERATURE, SamplingParams
 
 
@@ -77,28 +77,26 @@ class PdmDrafter:
 
     def copy_allowed(self, logits_d: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
         """The lookup gate: bool [], False when the PDM keeps its own draft over `copied` (full vocab id).
-        Tensor-only (graph-safe)."""
-        conf, ratio = self.head.dcfg.lookup_gate_confidence, self.head.dcfg.lookup_gate_ratio
-        if conf >= 1.0:
-            return torch.ones((), dtype=torch.bool, device=logits_d.device)
+        Tensor-only (graph-safe), no per-cycle allocation beyond the softmax."""
         p = torch.softmax(logits_d.float(), -1)
-        top = p.max()
-        p_copy = torch.cat([p, p.new_zeros(1)]).index_select(0, self._copy_slot().index_select(0, copied.view(1)))[0]
-        return ~((top > conf) & (p_copy < ratio * top))
+        row = self._copy_slot().index_select(0, copied.view(1))  # V_d outside the draft vocabulary
+        p_copy = torch.where(row < p.numel(), p.index_select(0, row.clamp_max(p.numel() - 1)), 0.0)[0]
+        dc = self.head.dcfg
+        return ~gate_keeps_pdm(p.max(), p_copy, dc.lookup_gate_confidence, dc.lookup_gate_ratio)
 
     def _copy_slot(self) -> torch.Tensor:
-        """full vocab id -> its row in the draft vocabulary, V_d outside it. Built eagerly (prefill calls
-        this), never first inside a CUDA-graph capture, where its fill would only run at replay."""
+        """draft_vocab_slots of the head, built eagerly (prefill calls this), never first inside a
+        CUDA-graph capture, where its fill would only run at replay."""
         vocab = self.head.draft_vocab
         if self._slot is None or self._slot.device != vocab.device:
-            slot = torch.full((self.head.tcfg.vocab_size,), vocab.numel(), dtype=torch.long, device=vocab.device)
-            self._slot = slot.scatter_(0, vocab.long(), torch.arange(vocab.numel(), device=vocab.device))
+            self._slot = draft_vocab_slots(vocab, self.head.tcfg.vocab_size)
         return self._slot
 
     def _with_lookup(self, tokens: torch.Tensor, p_new: torch.Tensor, tok: torch.Tensor,
                      q: torch.Tensor | None, logits_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         found, copied = lookup_next(tokens, p_new, self.lookup)
-        found = found & self.copy_allowed(logits_d, copied)
+        if self.head.dcfg.lookup_gate_confidence < 1.0:  # (1, 0) copies on every match: no gate to run
+            found = found & self.copy_allowed(logits_d, copied)
         tok = torch.where(found, copied, tok)
         if q is not None:
             q = torch.where(found, torch.zeros_like(q).scatter_(0, copied.view(1), 1.0), q)

@@ -34,6 +34,20 @@ def valid_fraction(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
 
 
+def gate_keeps_pdm(top, p_copy, confidence: float, ratio: float):
+    """The lookup gate's rule, for floats or tensors alike: True where the PDM keeps its own draft over a
+    context copy (its top probability `top` exceeds `confidence` and the copied token's probability
+    `p_copy` is below `ratio` times it). Used by the drafter and by the calibration."""
+    return (top > confidence) & (p_copy < ratio * top)
+
+
+def draft_vocab_slots(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """full vocabulary id -> its row in the draft vocabulary; V_d for ids outside it."""
+    n = draft_vocab.numel()
+    slot = torch.full((vocab_size,), n, dtype=torch.long, device=draft_vocab.device)
+    return slot.scatter_(0, draft_vocab.long(), torch.arange(n, device=draft_vocab.device))
+
+
 class DraftMismatchError(SpdConfigError):
     """A draft head that does not fit the target model or the requested pipeline."""
 
@@ -277,9 +291,10 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     if not path.exists():
         raise DraftMismatchError(f"draft head {path} does not exist; pass a head directory (draft_config.json + "
                                  "draft.safetensors), draft='random', or draft=None for the shipped head")
+    not_a_head = DraftMismatchError(
+        f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
     if not cfg_file.is_file():
-        raise DraftMismatchError(
-            f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
+        raise not_a_head
     try:
         dcfg = DraftConfig.from_json(cfg_file.read_text())
     except (json.JSONDecodeError, TypeError, KeyError) as e:
@@ -287,8 +302,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
                                  "re-save the head or point draft= at another one") from e
     if not (path / dcfg.weights).is_file():
         if dcfg.weights == WEIGHTS_FILE:
-            raise DraftMismatchError(
-                f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
+            raise not_a_head
         raise DraftMismatchError(f"{path}: the weights file {dcfg.weights!r} that its draft_config.json names "
                                  f"(relative to the head directory) does not exist; fix 'weights' there or "
                                  f"put the file back")

@@ -38,14 +38,13 @@ def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool]], rows: in
                       confidences: Sequence[float], ratios: Sequence[float]) -> dict:
     """Greedy draft accuracy of each lookup gate. fired: one (PDM top probability, copied token's PDM
     probability, copy right, PDM right) per row where the lookup matched; rows / pdm_right: all rows and
-    those the PDM alone gets right. The gate keeps the PDM's draft iff top > confidence and
-    p_copy < ratio * top (drafters.PdmDrafter.copy_allowed)."""
-    from ..pdm import NO_LOOKUP_GATE
+    those the PDM alone gets right. The rule is pdm.gate_keeps_pdm, as in drafters.PdmDrafter.copy_allowed."""
+    from ..pdm import NO_LOOKUP_GATE, gate_keeps_pdm
 
     def accuracy(conf: float, ratio: float) -> float:
         right = pdm_right
         for top, p_copy, copy_ok, pdm_ok in fired:
-            if not (top > conf and p_copy < ratio * top):  # the copy is drafted
+            if not gate_keeps_pdm(top, p_copy, conf, ratio):  # the copy is drafted
                 right += int(copy_ok) - int(pdm_ok)
         return right / max(rows, 1)
 
@@ -59,6 +58,42 @@ def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool]], rows: in
             "no_gate": accuracy(*NO_LOOKUP_GATE), "grid": grid, "best": list(best), "best_accuracy": best_acc}
 
 
+def teacher_rows(target_obj, head, samples: Sequence[dict], batch_size: int = 8, max_seq_len: int = 512):
+    """Yield (ids [B, T], sel, student logits [rows, V_d], target logits [rows, V]) batch by batch, both
+    float32: sel holds the flat indices b * T + r of the assistant rows, each scored as the newest token
+    at full fill (the pipeline's steady state). Frees the target's caches at the end."""
+    from .trainer import PdmTrainer, TrainConfig, collate
+
+    head.eval()
+    tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
+    try:
+        with torch.no_grad():
+            for i in range(0, len(samples), batch_size):
+                ids, lens, loss_mask = collate(list(samples[i:i + batch_size]), max_seq_len)
+                anchors, logits = tr.teacher_forward(ids, lens)
+                sel = loss_mask.reshape(-1).nonzero().squeeze(1)
+                if sel.numel() == 0:
+                    continue
+                s_logits, _ = tr.student_logits(anchors, lens, None, sel)
+                yield ids, sel, s_logits.float(), logits.float().reshape(-1, logits.shape[-1])[sel]
+    finally:
+        target_obj.model.free_caches()
+
+
+def lookup_matches(ids: torch.Tensor, sel: torch.Tensor, k: int):
+    """Yield (row, copied token id) for the rows of `sel` (flat b * T + r) whose k newest tokens
+    ids[b, r-k+1 .. r] occurred earlier in ids[b, :r+1]: what the drafter's context lookup copies."""
+    from ..ops import lookup_next
+
+    T = ids.shape[1]
+    for row, flat in enumerate(sel.tolist()):
+        b, r = divmod(flat, T)
+        if r >= k:
+            found, copied = lookup_next(ids[b, :r + 1], torch.tensor(r), k)
+            if bool(found):
+                yield row, int(copied)
+
+
 @torch.no_grad()
 def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
               scales: Sequence[float] = DEFAULT_SCALES, batch_size: int = 8, max_seq_len: int = 512,
@@ -68,9 +103,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     "best_scale"}, plus "lookup_gate" (lookup_gate_table) when lookup = k > 0. Rows: the assistant
     positions of `samples`, each scored as the newest token."""
     from ..config import SpdConfigError, check_lookup
-    from ..ops import lookup_next
-    from ..pdm import SCALE_RANGE, valid_fraction, valid_scale
-    from .trainer import PdmTrainer, TrainConfig, collate
+    from ..pdm import SCALE_RANGE, draft_vocab_slots, valid_fraction, valid_scale
 
     if not samples:
         raise SpdConfigError("calibration needs held-out samples; pass --val FILE (chat jsonl or text)")
@@ -86,48 +119,25 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             raise SpdConfigError(f"lookup gate confidences and ratios must be numbers in [0, 1], got {x!r}")
     fired: list[tuple[float, float, bool, bool]] = []
     pdm_right = 0
-    slot: torch.Tensor | None = None
-    head.eval()
-    tr = PdmTrainer(target_obj.model, head, TrainConfig(max_seq_len=max_seq_len))
     dv = head.draft_vocab
+    slot = None
     sums = {(t, s): 0.0 for t in temperatures for s in scales}
     rows = agree = 0.0
-    try:
-        for i in range(0, len(samples), batch_size):
-            ids, lens, loss_mask = collate(list(samples[i:i + batch_size]), max_seq_len)
-            anchors, logits = tr.teacher_forward(ids, lens)
-            sel = loss_mask.reshape(-1).nonzero().squeeze(1)
-            if sel.numel() == 0:
-                continue
-            s_logits, _ = tr.student_logits(anchors, lens, None, sel)
-            s_logits = s_logits.float()
-            t_logits = logits.float().reshape(-1, logits.shape[-1])[sel]
-            rows += sel.numel()
-            y = t_logits.argmax(-1)
-            right = dv[s_logits.argmax(-1)] == y
-            agree += float(right.sum())
-            if lookup:
-                pdm_right += int(right.sum())
-                q = torch.softmax(s_logits, -1)
-                if slot is None:  # full vocab id -> its row of the draft vocabulary, -1 outside it
-                    slot = torch.full((t_logits.shape[-1],), -1, dtype=torch.long).scatter_(
-                        0, dv.long().cpu(), torch.arange(dv.numel()))
-                T = ids.shape[1]
-                for row, flat in enumerate(sel.tolist()):
-                    b, r = divmod(flat, T)
-                    if r < lookup:
-                        continue
-                    found, copied = lookup_next(ids[b, :r + 1], torch.tensor(r), lookup)
-                    if bool(found):
-                        c = int(copied)
-                        p_copy = float(q[row, slot[c]]) if slot[c] >= 0 else 0.0
-                        fired.append((float(q[row].max()), p_copy, c == int(y[row]), bool(right[row])))
-            for t in temperatures:
-                p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
-                for s in scales:
-                    sums[(t, s)] += float(torch.minimum(p_dv, torch.softmax(s_logits / (t * s), -1)).sum())
-    finally:
-        target_obj.model.free_caches()
+    for ids, sel, s_logits, t_logits in teacher_rows(target_obj, head, samples, batch_size, max_seq_len):
+        rows += sel.numel()
+        y = t_logits.argmax(-1)
+        right = dv[s_logits.argmax(-1)] == y
+        agree += float(right.sum())
+        if lookup:
+            pdm_right += int(right.sum())
+            q = torch.cat([torch.softmax(s_logits, -1), s_logits.new_zeros(len(s_logits), 1)], 1)  # col V_d: 0
+            slot = draft_vocab_slots(dv, t_logits.shape[-1]).cpu() if slot is None else slot
+            for row, c in lookup_matches(ids, sel, lookup):
+                fired.append((float(q[row].max()), float(q[row, slot[c]]), c == int(y[row]), bool(right[row])))
+        for t in temperatures:
+            p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
+            for s in scales:
+                sums[(t, s)] += float(torch.minimum(p_dv, torch.softmax(s_logits / (t * s), -1)).sum())
     rows_ = max(rows, 1.0)
     acc = {str(t): {str(s): sums[(t, s)] / rows_ for s in scales} for t in temperatures}
     mean = {str(s): sum(acc[str(t)][str(s)] for t in temperatures) / len(temperatures) for s in scales}
