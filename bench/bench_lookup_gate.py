@@ -1,6 +1,7 @@
-"""Does the lookup gate cost wall clock? One engine, the shipped head, its calibrated gate against no gate
-(1, 0), interleaved prompt by prompt (the order alternates) so both see the same machine; prints the
-median ms per cycle of each and the median per-pair ratio (gated / ungated).
+"""Do the lookup gate and the copy boost cost wall clock? One engine, the shipped head, its calibrated gate
+and copy boost ("gated") against neither (gate (1, 0), one-hot copies: "ungated"), interleaved prompt by
+prompt (the order alternates) so both see the same machine; prints the median ms per cycle of each and the
+median per-pair ratio (gated / ungated).
 
     .venv/bin/python bench/bench_lookup_gate.py [--num-stages 3] [--temperature 0.7] [--limit 4] [--reps 2]
 """
@@ -27,7 +28,7 @@ def main() -> None:
     eng = spd_fast.load(num_stages=a.num_stages, progress=False)
     head = eng.spd.drafter.head
     gated = head.dcfg
-    plain = dataclasses.replace(gated, lookup_gate_confidence=1.0, lookup_gate_ratio=0.0)
+    plain = dataclasses.replace(gated, lookup_gate_confidence=1.0, lookup_gate_ratio=0.0, lookup_copy_boost=None)
     prompts = [r["prompt"] for v in load_eval_prompts(limit=a.limit).values() for r in v]
     ms = {"gated": [], "ungated": []}
     for rep in range(a.reps):
@@ -39,8 +40,8 @@ def main() -> None:
                                  seed=i).metrics
                 ms[name].append(m["decode_seconds"] / m["cycles"] * 1e3)
     head.dcfg = gated
-    print(f"gate {gated.lookup_gate_confidence}/{gated.lookup_gate_ratio}, n={a.num_stages}, T={a.temperature}, "
-          f"{len(ms['gated'])} pairs")
+    print(f"gate {gated.lookup_gate_confidence}/{gated.lookup_gate_ratio}, copy boost {gated.lookup_copy_boost}, "
+          f"n={a.num_stages}, T={a.temperature}, {len(ms['gated'])} pairs")
     for k, v in ms.items():
         print(f"{k}: median {statistics.median(v):.2f} ms per cycle")
     ratio = statistics.median(g / u for g, u in zip(ms["gated"], ms["ungated"]))

@@ -140,6 +140,13 @@ def gated(head):
     return head
 
 
+def boosted(head):
+    """A gated head that also boosts copies when sampling (lookup_copy_boost): its device-side ops
+    (slot lookup, scatter_add into the draft logits) run in the sampled checks below."""
+    head.dcfg = dataclasses.replace(gated(head).dcfg, lookup_copy_boost=2.5)
+    return head
+
+
 def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, placements: list[str]) -> list[dict]:
     rows = []
     m = random_model(cfg, dev, dtype, max_len=256)
@@ -166,6 +173,18 @@ def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, 
                 r = pe.run(ids, new, GREEDY, [])
                 rows.append({"check": f"{pl}{' + graph' if cg else ''} SPD n={n} [{dname}] == graphed AR",
                              "ok": r.token_ids == static, "acceptance": round(r.metrics["acceptance_rate"], 3)})
+    # sampled decoding with a boosted, gated lookup: every executor runs it, and a seed reproduces it
+    hot = SamplingParams(temperature=0.8)
+    for pl in ["sequential"] + [p for p in placements if p != "devices"]:
+        for cg in ([False, True] if graphs and pl != "sequential" else [False]):
+            outs = []
+            for _ in range(2):
+                eng = SPDEngine(m, PdmDrafter(boosted(random_head(m, n, layers=1, vocab=4096)), lookup=3), b)
+                runner = eng if pl == "sequential" else PipelinedEngine(eng, pl, cuda_graphs=cg)
+                r = runner.run(ids, new, hot, [], torch.Generator(device=dev).manual_seed(7))
+                outs.append(r.token_ids)
+            rows.append({"check": f"{pl}{' + graph' if cg else ''} SPD n={n} [boosted lookup, T=0.8] seeded twice "
+                                  "gives the same tokens", "ok": outs[0] == outs[1] and len(outs[0]) == new})
     if "devices" in placements:
         k = min(torch.cuda.device_count(), n)
         md = random_model(cfg, dev, dtype, max_len=256)

@@ -1,10 +1,11 @@
 """Estimate, teacher-forced, what a mixture draft for context copies would add at temperature T > 0.
 
-Today a copy is drafted with a one-hot q. The alternative: draft the copy with probability lambda, else
-the PDM's own sample, so q = lambda * one-hot + (1 - lambda) * q_PDM (still exact). On every held-out
-answer row (full fill, like `spd_fast.train.calibrate`) this prints the expected acceptance
+A copy drafted one-hot (the default of a head without a copy boost) against a mixture: draft the copy
+with probability lambda, else the PDM's own sample, so q = lambda * one-hot + (1 - lambda) * q_PDM
+(still exact). On every held-out answer row (full fill, like `spd_fast.train.calibrate`) this prints the expected acceptance
 sum_x min(p_T(x), q(x)) for several lambda, with the head's lookup gate and draft temperature applied
-(lambda 1 is today's drafter).
+(lambda 1 is the one-hot drafter). Session 28 built a logit boost for copies instead, which scored
+higher on the same rows; `python -m spd_fast.train.calibrate` fits it (`lookup_copy_boost`).
 
     .venv/bin/python scripts/estimate_copy_mixture.py [HEAD] [--val FILE] [--val-limit 80]
 """
@@ -43,7 +44,7 @@ def main() -> None:
     for ids, sel, s_logits, t_logits in teacher_rows(target, head, samples):
         q_raw = torch.cat([torch.softmax(s_logits, -1), s_logits.new_zeros(len(s_logits), 1)], 1)  # what the gate reads
         copy_of = {row: c for row, c in lookup_matches(ids, sel, a.lookup)
-                   if not gate_keeps_pdm(float(q_raw[row].max()), float(q_raw[row, slot[c]]),
+                   if not gate_keeps_pdm(float(q_raw[row].max()), float(q_raw[row, slot[c]]), int(slot[c]) < len(dv),
                                          dc.lookup_gate_confidence, dc.lookup_gate_ratio)}
         rows += sel.numel()
         copies += len(copy_of)

@@ -106,6 +106,7 @@ def _heads() -> list[dict[str, Any]]:
                               "draft_vocab_size": dc.draft_vocab_size, "base_model_type": dc.base_model_type,
                               "draft_temperature_scale": dc.draft_temperature_scale,
                               "lookup_gate": [dc.lookup_gate_confidence, dc.lookup_gate_ratio],
+                              "lookup_copy_boost": dc.lookup_copy_boost,
                               "weights": dc.weights,
                               "size_mib": round(_dir_mib(d), 1)})
             except Exception as e:  # a broken head must not break `info`
@@ -165,7 +166,9 @@ def _print_text(d: dict[str, Any]) -> None:
         else:
             print(f"  {h['name']}: n={h['num_stages']}, boundaries {h['boundaries']}, L_s={h['draft_layers']}, "
                   f"V_d={h['draft_vocab_size']}, drafts at {h['draft_temperature_scale']:g} x T when sampling, "
-                  f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}, {h['size_mib']} MiB"
+                  f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}, copies "
+                  + ("one-hot" if h["lookup_copy_boost"] is None else f"boosted {h['lookup_copy_boost']:g}")
+                  + f" when sampling, {h['size_mib']} MiB"
                   + ("" if h["weights"] == WEIGHTS_FILE else f" (weights shared: {h['weights']})"))
 
 

@@ -27,6 +27,10 @@ class PdmDrafter:
     own draft over a copy when the PDM is sure of it (top probability above the confidence) and gives
     the copied token little mass (below ratio x the top probability). The gate reads the PDM's raw
     logits, not the sampled token, so the draft's q stays exactly what it was drawn from.
+    When sampling (T > 0), a head with a calibrated lookup_copy_boost d does not draft the copy one-hot:
+    it raises the copied token's temperature-scaled logit by d and samples the PDM's draft from that, so
+    the copy becomes likely without taking all of q's mass (the target at T > 0 rarely puts all of its
+    mass on one token either).
     """
 
     def __init__(self, head: DraftHead, lookup: int = 0):
@@ -69,20 +73,20 @@ class PdmDrafter:
         g = head.aggregate(st.anchors[start:p_new + 1], types)
         h = head.tower(g[None], pos[None], kv_bound_for(p_new, head.max_len))
         logits = head.draft_logits(h[0, -1])
-        tok, q = draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
-                              generator)
         if self.lookup and p_new >= self.lookup:
-            return self._with_lookup(st.tokens[:p_new + 1], st.p_new, tok, q, logits)
-        return tok, q
+            return self._sample_with_lookup(engine, st.tokens[:p_new + 1], st.p_new, logits, params, generator)
+        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                            generator)
 
     def copy_allowed(self, logits_d: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
         """The lookup gate: bool [], False when the PDM keeps its own draft over `copied` (full vocab id).
         Tensor-only (graph-safe), no per-cycle allocation beyond the softmax."""
         p = torch.softmax(logits_d.float(), -1)
         row = self._copy_slot().index_select(0, copied.view(1))  # V_d outside the draft vocabulary
-        p_copy = torch.where(row < p.numel(), p.index_select(0, row.clamp_max(p.numel() - 1)), 0.0)[0]
+        inside = (row < p.numel())[0]
+        p_copy = p.index_select(0, row.clamp_max(p.numel() - 1))[0]
         dc = self.head.dcfg
-        return ~gate_keeps_pdm(p.max(), p_copy, dc.lookup_gate_confidence, dc.lookup_gate_ratio)
+        return ~gate_keeps_pdm(p.max(), p_copy, inside, dc.lookup_gate_confidence, dc.lookup_gate_ratio)
 
     def _copy_slot(self) -> torch.Tensor:
         """draft_vocab_slots of the head, built eagerly (prefill calls this), never first inside a
@@ -92,9 +96,33 @@ class PdmDrafter:
             self._slot = draft_vocab_slots(vocab, self.head.tcfg.vocab_size)
         return self._slot
 
-    def _with_lookup(self, tokens: torch.Tensor, p_new: torch.Tensor, tok: torch.Tensor,
-                     q: torch.Tensor | None, logits_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample_with_lookup(self, engine: SPDEngine, tokens: torch.Tensor, p_new: torch.Tensor,
+                            logits_d: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft with context lookup over tokens[0 .. p_new]. Greedy, or a head without a copy boost: the
+        PDM's draft, replaced by the copy where the gate allows it (q one-hot). Sampling with the head's
+        lookup_copy_boost d: the copied token's logit is raised by d (after temperature) before the draft is
+        drawn, so q stays the distribution it came from; a copy outside the draft vocabulary, which the
+        PDM cannot boost, goes the one-hot way."""
+        head = self.head
+        dp = self.draft_params(params)
+        vocab_size = engine.model.cfg.vocab_size
         found, copied = lookup_next(tokens, p_new, self.lookup)
+        boost = head.dcfg.lookup_copy_boost
+        if params.greedy or boost is None:
+            tok, q = draft_sample(logits_d, head.draft_vocab, vocab_size, dp, generator)
+            return self._copy_one_hot(found, copied, tok, q, logits_d)
+        n = logits_d.shape[-1]
+        row = self._copy_slot().index_select(0, copied.view(1))  # n (outside the draft vocabulary) or its row
+        inside = row < n
+        add = ((found & inside).to(logits_d.dtype) * (boost * dp.temperature)).view(1)
+        boosted = logits_d.scatter_add(0, row.clamp_max(n - 1), add)
+        tok, q = draft_sample(boosted, head.draft_vocab, vocab_size, dp, generator)
+        return self._copy_one_hot(found & ~inside, copied, tok, q, logits_d)
+
+    def _copy_one_hot(self, found: torch.Tensor, copied: torch.Tensor, tok: torch.Tensor,
+                      q: torch.Tensor | None, logits_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where `found` and the gate allows it, the draft is `copied` with a one-hot q."""
         if self.head.dcfg.lookup_gate_confidence < 1.0:  # (1, 0) copies on every match: no gate to run
             found = found & self.copy_allowed(logits_d, copied)
         tok = torch.where(found, copied, tok)
@@ -110,11 +138,10 @@ class PdmDrafter:
         g = head.aggregate(cyc.pdm_rows, cyc.pdm_types)
         h = head.tower(g[None], cyc.pdm_pos[None], head.max_len)
         logits = head.draft_logits(h[0, -1])
-        tok, q = draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
-                              generator)
         if self.lookup:
-            return self._with_lookup(cyc.st.tokens, cyc.st.p_new, tok, q, logits)
-        return tok, q
+            return self._sample_with_lookup(engine, cyc.st.tokens, cyc.st.p_new, logits, params, generator)
+        return draft_sample(logits, head.draft_vocab, engine.model.cfg.vocab_size, self.draft_params(params),
+                            generator)
 
 
 class ReferenceDrafter:

@@ -22,6 +22,7 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "draft.safetensors"
 SCALE_RANGE = (0.05, 20.0)  # allowed draft_temperature_scale
 NO_LOOKUP_GATE = (1.0, 0.0)  # (lookup_gate_confidence, lookup_gate_ratio) that never keeps the PDM's draft
+COPY_BOOST_MAX = 30.0  # largest lookup_copy_boost (a logit offset; 30 already makes the copy all but certain)
 
 
 def valid_scale(s: object) -> bool:
@@ -34,11 +35,18 @@ def valid_fraction(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
 
 
-def gate_keeps_pdm(top, p_copy, confidence: float, ratio: float):
-    """The lookup gate's rule, for floats or tensors alike: True where the PDM keeps its own draft over a
-    context copy (its top probability `top` exceeds `confidence` and the copied token's probability
-    `p_copy` is below `ratio` times it). Used by the drafter and by the calibration."""
-    return (top > confidence) & (p_copy < ratio * top)
+def gate_keeps_pdm(top, p_copy, inside, confidence: float, ratio: float):
+    """The lookup gate's rule, for floats/bools or tensors alike: True where the PDM keeps its own draft over
+    a context copy: the copied token lies inside the draft vocabulary (`inside`; one outside it, the PDM
+    could never draft, and on held-out answers such a copy was right 414 times in 452), the PDM's top
+    probability `top` exceeds `confidence` and the copied token's probability `p_copy` is below `ratio`
+    times it. Used by the drafter and by the calibration."""
+    return (top > confidence) & (p_copy < ratio * top) & inside
+
+
+def valid_boost(v: object) -> bool:
+    """A lookup_copy_boost: None (copies drafted one-hot) or a real number (not a bool) in [0, COPY_BOOST_MAX]."""
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= COPY_BOOST_MAX)
 
 
 def draft_vocab_slots(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -74,6 +82,10 @@ class DraftConfig:
     # probability is below `ratio` times that top probability. (1.0, 0.0) always copies.
     lookup_gate_confidence: float = NO_LOOKUP_GATE[0]
     lookup_gate_ratio: float = NO_LOOKUP_GATE[1]
+    # sampled decoding (T > 0) with context lookup: None drafts a gated copy with a one-hot q; a number d
+    # instead adds d to the copied token's temperature-scaled PDM logit on every match (copies inside the
+    # draft vocabulary) and samples from that q (calibrated by train/calibrate.py; exact either way)
+    lookup_copy_boost: float | None = None
     # the weights file, relative to the head directory: a head that shares another head's weights
     # (the shipped n=2 head reads the n=3 head's) names that file; save() always writes its own
     weights: str = WEIGHTS_FILE
@@ -91,6 +103,10 @@ class DraftConfig:
                                          f"(the defaults {NO_LOOKUP_GATE[0]} and {NO_LOOKUP_GATE[1]} let every "
                                          "context match replace the PDM's draft); fix draft_config.json or the "
                                          "calibration's --gate-confidences / --gate-ratios")
+        if not valid_boost(self.lookup_copy_boost):
+            raise DraftMismatchError(f"lookup_copy_boost {self.lookup_copy_boost!r} is out of range: it must be null "
+                                     f"(copies drafted one-hot) or a number in [0, {COPY_BOOST_MAX:g}]; fix "
+                                     "draft_config.json or the calibration's --copy-boosts")
 
     @staticmethod
     def make(target_cfg: ModelConfig, boundaries: tuple[int, ...], anchors: tuple[int, ...] | None = None,

@@ -15,8 +15,8 @@ from spd_fast.train.trainer import PdmTrainer, TrainConfig
 from test_train import FakeTarget, _samples
 
 
-def _head(m, fingerprint="tiny"):
-    head = init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 1, 97, fingerprint), m.cfg,
+def _head(m, fingerprint="tiny", vocab=97):
+    head = init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 1, vocab, fingerprint), m.cfg,
                                       m.norm), m, 1)
     with torch.no_grad():  # a head that is neither the target nor uniform
         for p in head.parameters():
@@ -79,19 +79,23 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     val.write_text("".join(json.dumps(s) + "\n" for s in _samples(m, 4, seed=3)))
     rc = main([str(tmp_path / "h"), "--model", ckpt, "--val", str(val), "--scales", "0.5,0.8,1.0",
                "--temperatures", "0.7", "--lookup", "2", "--gate-confidences", "1.0,0.5,0.1", "--gate-ratios", "1.0",
-               "--write", "--out", str(tmp_path / "cal.json")])
+               "--copy-boosts", "0,1,30", "--write", "--out", str(tmp_path / "cal.json")])
     out = capsys.readouterr().out
     assert rc == 0 and "| scale | T=0.7 | mean |" in out and "wrote draft_temperature_scale=" in out
     assert "| confidence | ratio 1.0 |" in out and "lookup_gate_confidence=" in out
+    assert "| one-hot (gated) |" in out and "| boost 30.0 |" in out and "lookup_copy_boost=" in out
     res = json.loads((tmp_path / "cal.json").read_text())
-    best, gate = res["best_scale"], res["lookup_gate"]["best"]
+    best, gate, boost = res["best_scale"], res["lookup_gate"]["best"], res["copy_boost"]["best"]
+    assert boost in (None, 0.0, 1.0, 30.0)
     assert best in (0.5, 0.8, 1.0) and res["previous_scale"] == 1.0
     written = json.loads((tmp_path / "h" / "draft_config.json").read_text())
     assert written["draft_temperature_scale"] == best
     assert [written["lookup_gate_confidence"], written["lookup_gate_ratio"]] == gate
+    assert written["lookup_copy_boost"] == boost
     eng = load(model=ckpt, draft=str(tmp_path / "h"), progress=False)
     assert eng.head.dcfg.draft_temperature_scale == best
     assert (eng.head.dcfg.lookup_gate_confidence, eng.head.dcfg.lookup_gate_ratio) == tuple(gate)
+    assert eng.head.dcfg.lookup_copy_boost == boost
     # errors name the problem and the fix
     assert main([str(tmp_path / "h"), "--model", ckpt]) == 2
     assert "pass held-out data with --val FILE" in capsys.readouterr().err
@@ -109,14 +113,18 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
 def test_lookup_gate_table_counts_each_gate_and_keeps_the_default_on_ties():
     from spd_fast.train.calibrate import lookup_gate_table
 
-    # (PDM top probability, copied token's probability, copy right, PDM right); 4 rows, 2 right by the PDM
-    fired = [(0.9, 0.0, False, True), (0.3, 0.2, True, False)]
+    # (PDM top probability, copied token's probability, copy in the draft vocabulary, copy right, PDM right);
+    # 4 rows, 2 right by the PDM
+    fired = [(0.9, 0.0, True, False, True), (0.3, 0.2, True, True, False)]
     t = lookup_gate_table(fired, 4, 2, (1.0, 0.5), (0.5,))
     assert t["pdm_alone"] == 0.5 and t["no_gate"] == 0.5 and t["rows_matched"] == 2
     assert t["grid"] == {"1.0,0.5": 0.5, "0.5,0.5": 0.75}  # the sure PDM keeps its right draft, the unsure one copies
     assert t["best"] == [0.5, 0.5] and t["best_accuracy"] == 0.75
-    level = lookup_gate_table([(0.9, 0.0, True, True)], 2, 1, (1.0, 0.5), (0.5,))
+    level = lookup_gate_table([(0.9, 0.0, True, True, True)], 2, 1, (1.0, 0.5), (0.5,))
     assert level["best"] == [1.0, 0.0]  # no gain: the no-gate default stays
+    # a copy outside the draft vocabulary (its PDM probability is 0) is always drafted: no gate can keep the PDM
+    outside = lookup_gate_table([(0.9, 0.0, False, False, True)], 2, 1, (1.0, 0.5), (0.5,))
+    assert outside["grid"] == {"1.0,0.5": 0.0, "0.5,0.5": 0.0} and outside["best"] == [1.0, 0.0]
 
 
 def test_lookup_gate_calibration_matches_per_row_brute_force(tiny_checkpoint):
@@ -148,7 +156,7 @@ def test_lookup_gate_calibration_matches_per_row_brute_force(tiny_checkpoint):
             p_copy = float(q[dv.index(copy)]) if copy in dv else 0.0
             for c in confs:
                 for ra in ratios:
-                    use_copy = copy is not None and not (top > c and p_copy < ra * top)
+                    use_copy = copy is not None and not (top > c and p_copy < ra * top and copy in dv)
                     right[c, ra] += (copy if use_copy else own) == y
     assert gate["rows"] == rows and gate["rows_matched"] == matched > 0
     for (c, ra), k in right.items():
@@ -158,3 +166,71 @@ def test_lookup_gate_calibration_matches_per_row_brute_force(tiny_checkpoint):
         calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=2, gate_confidences=(2.0,))
     with pytest.raises(SpdConfigError, match="lookup must be an integer from 0 to 64"):
         calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=-1)
+
+
+def test_copy_boost_calibration_matches_per_row_brute_force(tiny_checkpoint):
+    """copy_boost_table against a per-row brute force: at T > 0 the one-hot drafter copies where the gate
+    lets it (always for a copy outside the draft vocabulary), the boosted drafter draws every copy inside
+    the draft vocabulary from the PDM's q with the copy's logit raised by d; expected acceptance is
+    sum_x min(p_T, q) averaged over rows, and the best boost must beat one-hot to be picked."""
+    from test_lookup import _brute
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 5)
+    head = _head(m, vocab=60)  # tokens 60-96 lie outside the draft vocabulary
+    temps, boosts, gate = (0.7, 1.0), (0.5, 2.0, 8.0), (0.5, 0.5)
+    res = calibrate(FakeTarget(m), head, data, temps, (0.9,), batch_size=3, max_seq_len=64, lookup=1,
+                    gate_confidences=(gate[0],), gate_ratios=(gate[1],), copy_boosts=boosts)
+    cb = res["copy_boost"]
+    assert res["lookup_gate"]["best"] in ([0.5, 0.5], [1.0, 0.0])
+    g = res["lookup_gate"]["best"]
+    tr = PdmTrainer(m, head, TrainConfig())
+    dv = head.draft_vocab.tolist()
+    one_hot = {t: 0.0 for t in temps}
+    boosted = {(t, d): 0.0 for t in temps for d in boosts}
+    rows = outside = 0
+    for smp in data:
+        seq = smp["prompt_ids"] + smp["response_ids"]
+        ids = torch.tensor([seq])
+        P, T = len(smp["prompt_ids"]), ids.shape[1]
+        anchors, logits = tr.teacher_forward(ids, torch.tensor([T]))
+        q_logits, _ = tr.student_logits(anchors, torch.tensor([T]), None, torch.arange(T))
+        for r in range(P - 1, T - 1):
+            rows += 1
+            lg = q_logits[r].float()
+            q0 = torch.softmax(lg, -1)
+            copy = _brute(seq, r, 1) if r >= 1 else None
+            inside = copy in dv
+            outside += copy is not None and not inside
+            p_copy = float(q0[dv.index(copy)]) if inside else 0.0
+            gate_copies = copy is not None and not (float(q0.max()) > g[0] and p_copy < g[1] * float(q0.max())
+                                                     and inside)
+            for t in temps:
+                p = torch.softmax(logits[0, r].float() / t, -1)
+
+                def overlap(x):  # x: draft-vocabulary logits already divided by the draft temperature
+                    q = torch.zeros_like(p)
+                    q[head.draft_vocab] = torch.softmax(x, -1)
+                    return float(torch.minimum(p, q).sum())
+
+                own = overlap(lg / (t * 0.9))
+                one_hot[t] += float(p[copy]) if gate_copies else own
+                for d in boosts:
+                    if copy is not None and inside:
+                        x = lg / (t * 0.9)
+                        x[dv.index(copy)] += d
+                        boosted[t, d] += overlap(x)
+                    else:
+                        boosted[t, d] += float(p[copy]) if copy is not None else own
+    assert cb["rows_matched"] == res["lookup_gate"]["rows_matched"] > 0 and outside > 0 and cb["scale"] == 0.9
+    for t in temps:
+        assert cb["one_hot"][str(t)] == pytest.approx(one_hot[t] / rows, abs=1e-5)
+        for d in boosts:
+            assert cb["grid"][str(d)][str(t)] == pytest.approx(boosted[t, d] / rows, abs=1e-5)
+    means = {d: sum(boosted[t, d] for t in temps) / rows / len(temps) for d in boosts}
+    oh = sum(one_hot.values()) / rows / len(temps)
+    best = max(boosts, key=means.get)
+    assert cb["best"] == (best if means[best] > oh else None)
+    assert len({round(v, 6) for v in means.values()}) == len(boosts)  # the boost changes q on these rows
+    with pytest.raises(SpdConfigError, match=r"copy boosts must be numbers in \[0, 30\], got -1.0"):
+        calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=1, copy_boosts=(-1.0,))

@@ -175,8 +175,11 @@ def test_info_text_and_json(capsys):
     for h in d["shipped_heads"]:  # each shipped head is readable and states its sampling calibration
         assert "error" not in h and 0.05 <= h["draft_temperature_scale"] <= 20
         assert len(h["lookup_gate"]) == 2 and all(0 <= v <= 1 for v in h["lookup_gate"])
+        assert h["lookup_copy_boost"] is None or 0 <= h["lookup_copy_boost"] <= 30
     rc, out, _ = run_cli(["info"], capsys)
     assert all(f"lookup gate {h['lookup_gate'][0]:g}/{h['lookup_gate'][1]:g}" in out for h in d["shipped_heads"])
+    assert all(("copies one-hot when sampling" if h["lookup_copy_boost"] is None
+                else f"copies boosted {h['lookup_copy_boost']:g} when sampling") in out for h in d["shipped_heads"])
     shared = [h for h in d["shipped_heads"] if h["weights"] != "draft.safetensors"]
     assert all(f"(weights shared: {h['weights']})" in out for h in shared)
 

@@ -120,23 +120,25 @@ def _gated(head, conf, ratio):
 
 def test_lookup_gate_matches_its_rule_draft_by_draft(tiny_checkpoint, monkeypatch):
     """Every draft of a gated run is the copy or the PDM's argmax exactly as the rule says (brute force
-    from the PDM's probabilities); the gate both keeps and lets through copies on this run."""
+    from the PDM's probabilities); the gate both keeps and lets through copies on this run, and copies of
+    tokens outside the draft vocabulary always go through."""
     m = tiny_target(tiny_checkpoint("llama"))
     b = uniform_boundaries(m.cfg.num_layers, 3)
-    head = _gated(random_head(m, b, vocab=97), 0.02, 0.5)  # a random head is never very sure
+    head = _gated(random_head(m, b, vocab=30), 0.02, 0.5)  # never very sure; 30 of the 97 tokens
     seen = []
-    real_lookup, real_sample = drafters_mod.lookup_next, drafters_mod.draft_sample
+    real_lookup, real_logits = drafters_mod.lookup_next, head.draft_logits
 
-    def sample(logits, vocab, V, params, gen):
-        seen.append({"p": torch.softmax(logits.float(), -1), "vocab": vocab})
-        return real_sample(logits, vocab, V, params, gen)
+    def logits(h):  # once per draft, before the lookup
+        out = real_logits(h)
+        seen.append({"p": torch.softmax(out.float(), -1), "vocab": head.draft_vocab})
+        return out
 
     def lookup(tokens, p_new, k):
         found, tok = real_lookup(tokens, p_new, k)
         seen[-1].update(found=bool(found), copied=int(tok))
         return found, tok
 
-    monkeypatch.setattr(drafters_mod, "draft_sample", sample)
+    head.draft_logits = logits
     monkeypatch.setattr(drafters_mod, "lookup_next", lookup)
     d = PdmDrafter(head, lookup=2)
     drafts = []
@@ -151,7 +153,7 @@ def test_lookup_gate_matches_its_rule_draft_by_draft(tiny_checkpoint, monkeypatc
     ids = [5, 17, 3, 9, 5, 17, 3, 9]
     res = SPDEngine(m, d, b).run(ids, 40, GREEDY, [])
     assert res.token_ids == decode_ar(m, ids, 40, GREEDY, []).token_ids
-    kept = copied = 0
+    kept = copied = outside = 0
     for s, tok in zip(seen, drafts):
         own = int(s["vocab"][s["p"].argmax()])
         if "found" not in s or not s["found"]:
@@ -160,11 +162,12 @@ def test_lookup_gate_matches_its_rule_draft_by_draft(tiny_checkpoint, monkeypatc
         slot = (s["vocab"] == s["copied"]).nonzero()
         p_copy = float(s["p"][slot[0, 0]]) if slot.numel() else 0.0
         top = float(s["p"].max())
-        keep = top > 0.02 and p_copy < 0.5 * top
+        keep = top > 0.02 and p_copy < 0.5 * top and slot.numel() > 0
         assert int(tok) == (own if keep else s["copied"])
         kept += keep and own != s["copied"]
         copied += not keep
-    assert kept > 0 and copied > 0
+        outside += slot.numel() == 0 and top > 0.02  # the rule would keep the PDM but for the vocabulary
+    assert kept > 0 and copied > 0 and outside > 0, (kept, copied, outside)
 
 
 def test_lookup_gate_extremes_and_executors_agree(tiny_checkpoint):
@@ -201,3 +204,105 @@ def test_lookup_gate_config_errors(tiny_checkpoint):
         with pytest.raises(DraftMismatchError, match=rf"{name} {bad!r} is out of range: it must be a number in "
                                                      r"\[0, 1\].*fix draft_config.json"):
             _gated(head, conf, ratio)
+
+
+def _boosted(head, boost, scale=1.0):
+    import copy
+    import dataclasses
+
+    h = copy.deepcopy(head)
+    h.dcfg = dataclasses.replace(h.dcfg, lookup_copy_boost=boost, draft_temperature_scale=scale)
+    return h
+
+
+def test_copy_boost_draws_from_the_boosted_q_draft_by_draft(tiny_checkpoint, monkeypatch):
+    """Sampling with a copy boost d: on a match inside the draft vocabulary, the q the drafter hands to
+    verification is softmax((logits + d * T' * e_copy) / T') (T' the draft temperature), scattered into
+    the full vocabulary, and the draft has mass under it; a copy outside the draft vocabulary is drafted
+    one-hot; without a match q is the PDM's own. Brute force from the raw PDM logits."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = _gated(_boosted(random_head(m, b, vocab=60), 2.0, scale=0.8), 0.02, 0.5)  # 60 of the 97 tokens
+    d = PdmDrafter(head, lookup=1)
+    raw, found = [], []
+    real_logits, real_lookup = head.draft_logits, drafters_mod.lookup_next
+
+    def logits(h):
+        out = real_logits(h)
+        raw.append(out.detach().clone())
+        found.append(None)
+        return out
+
+    def lookup(tokens, p_new, k):
+        f, tok = real_lookup(tokens, p_new, k)
+        found[-1] = (bool(f), int(tok))
+        return f, tok
+
+    head.draft_logits = logits
+    monkeypatch.setattr(drafters_mod, "lookup_next", lookup)
+    out = []
+    real_draft = d.draft
+
+    def draft(*a):
+        tok, q = real_draft(*a)
+        out.append((int(tok), q.clone()))
+        return tok, q
+
+    d.draft = draft
+    params = SamplingParams(temperature=0.9)
+    V, vocab = m.cfg.vocab_size, head.draft_vocab.tolist()
+    ids = [70, 17, 83, 9, 70, 17, 83, 9]  # 70 and 83 lie outside the draft vocabulary
+    assert 70 not in vocab and 83 not in vocab
+    SPDEngine(m, d, b).run(ids, 60, params, [], torch.Generator().manual_seed(0))
+    t = 0.9 * 0.8
+    kinds = {"boosted": 0, "one-hot": 0, "own": 0}
+    for lg, f, (tok, q) in zip(raw, found, out):
+        x = lg.float() / t
+        p = torch.softmax(lg.float(), -1)
+        if f is not None and f[0] and f[1] in vocab:
+            x[vocab.index(f[1])] += 2.0
+            kind = "boosted"
+        elif f is not None and f[0]:  # outside the draft vocabulary: the gate always lets it through
+            kind = "one-hot"
+        else:
+            kind = "own"
+        if kind == "one-hot":
+            want = torch.zeros(V).scatter_(0, torch.tensor([f[1]]), 1.0)
+        else:
+            want = torch.zeros(V).scatter_(0, head.draft_vocab, torch.softmax(x, -1))
+        torch.testing.assert_close(q.float(), want, atol=1e-5, rtol=1e-4)
+        assert float(q[tok]) > 0
+        kinds[kind] += 1
+    assert min(kinds.values()) > 0, kinds
+
+
+def test_copy_boost_leaves_greedy_drafting_alone(tiny_checkpoint):
+    """The boost is for sampled decoding: greedy runs of a boosted head count the same as without it,
+    and still equal AR; sampled runs with the same seed differ (the boost acts)."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = _gated(random_head(m, b, vocab=97), 0.02, 0.5)
+    ids = [5, 17, 3, 9, 5, 17, 3, 9]
+    ref = decode_ar(m, ids, 40, GREEDY, []).token_ids
+
+    def run(h, params):
+        res = SPDEngine(m, PdmDrafter(h, lookup=1), b).run(ids, 40, params, [], torch.Generator().manual_seed(3))
+        return res.token_ids, tuple(res.metrics[k] for k in ("cycles", "verifications", "accepted"))
+
+    plain, boosted = run(head, GREEDY), run(_boosted(head, 6.0), GREEDY)
+    assert plain == boosted and plain[0] == ref
+    warm = SamplingParams(temperature=0.3)  # near-greedy: the output loops, so the lookup matches often
+    assert run(head, warm) != run(_boosted(head, 6.0), warm)
+
+
+def test_copy_boost_config_errors(tiny_checkpoint):
+    from spd_fast.pdm import DraftMismatchError
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    head = random_head(m, uniform_boundaries(m.cfg.num_layers, 3), vocab=97)
+    for bad in (-1.0, 31.0, True, "2"):
+        with pytest.raises(DraftMismatchError, match=rf"lookup_copy_boost {bad!r} is out of range: it must be null "
+                                                     r"\(copies drafted one-hot\) or a number in \[0, 30\].*"
+                                                     "fix draft_config.json"):
+            _boosted(head, bad)
+    assert _boosted(head, None).dcfg.lookup_copy_boost is None and _boosted(head, 0).dcfg.lookup_copy_boost == 0

@@ -56,7 +56,7 @@ def small_model(tmp_path_factory):
     return _tiny_small_vocab(tmp_path_factory)
 
 
-def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0, lookup=0):
+def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0, lookup=0, copy_boost=None):
     import dataclasses
 
     from test_engine import random_head
@@ -68,7 +68,7 @@ def _samples(model, method, n_runs, params, positions=(1, 2, 3), draft_scale=1.0
         with torch.no_grad():  # a sharp draft that clearly differs from the target: q != p
             head.lm_head.weight.mul_(4.0).add_(torch.randn(head.lm_head.weight.shape,
                                                            generator=torch.Generator().manual_seed(5)))
-        head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=draft_scale)
+        head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=draft_scale, lookup_copy_boost=copy_boost)
         eng = SPDEngine(model, PdmDrafter(head, lookup), b)
         eng.total = {"ver": 0, "acc": 0}
     out = {k: torch.zeros(model.cfg.vocab_size) for k in positions}
@@ -125,6 +125,24 @@ def test_context_lookup_keeps_sampling_exact(small_model, monkeypatch):
     params = SamplingParams(temperature=0.9)
     ar, _ = _samples(small_model, "ar", 1500, params)
     sp, eng = _samples(small_model, "spd", 1500, params, lookup=1)
+    assert sum(hits) > len(hits) // 4
+    rate = eng.total["acc"] / eng.total["ver"]
+    assert 0.05 < rate < 0.95
+    for k in ar:
+        assert _same_distribution(ar[k], sp[k]) > P_MIN, k
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9), SamplingParams(temperature=0.7, top_k=3)],
+                         ids=["t0.9", "t0.7-topk3"])
+def test_copy_boost_keeps_sampling_exact(small_model, monkeypatch, params):
+    """With a copy boost, a match raises the copied token's logit before the PDM's draft is drawn; q is
+    that boosted distribution, so the output is still the target's (here with a draft scale, and with a
+    top-k that the boost can pull the copy into)."""
+    from test_lookup import count_lookups
+
+    hits = count_lookups(monkeypatch)
+    ar, _ = _samples(small_model, "ar", 1500, params)
+    sp, eng = _samples(small_model, "spd", 1500, params, draft_scale=0.8, lookup=1, copy_boost=3.0)
     assert sum(hits) > len(hits) // 4
     rate = eng.total["acc"] / eng.total["ver"]
     assert 0.05 < rate < 0.95

@@ -14,7 +14,10 @@ draft_config.json (`draft_temperature_scale`), which PdmDrafter applies at every
 The same pass calibrates the context-lookup gate (`lookup_gate_confidence`, `lookup_gate_ratio`): on
 every row where a match of the k newest tokens proposes a copy, it records the PDM's top probability,
 the copied token's PDM probability and which of the two is the target's greedy token, and picks the
-gate with the highest greedy draft accuracy over all rows (the no-gate default wins ties).
+gate with the highest greedy draft accuracy over all rows (the no-gate default wins ties). For sampled
+decoding it then fits `lookup_copy_boost` on the same rows: at the chosen scale, the expected acceptance
+(mean over the temperatures) of drafting each match from the PDM's q with the copied token's logit raised
+by d, against today's gated one-hot copy, which wins ties (`copy_boost_table`).
 """
 from __future__ import annotations
 
@@ -30,21 +33,22 @@ import torch
 
 DEFAULT_SCALES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15)
 DEFAULT_TEMPERATURES = (0.7, 1.0)
-DEFAULT_GATE_CONFIDENCES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
-DEFAULT_GATE_RATIOS = (0.05, 0.1, 0.25, 0.5, 1.0)
+DEFAULT_GATE_CONFIDENCES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
+DEFAULT_GATE_RATIOS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+DEFAULT_COPY_BOOSTS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0)
 
 
-def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool]], rows: int, pdm_right: int,
+def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool, bool]], rows: int, pdm_right: int,
                       confidences: Sequence[float], ratios: Sequence[float]) -> dict:
     """Greedy draft accuracy of each lookup gate. fired: one (PDM top probability, copied token's PDM
-    probability, copy right, PDM right) per row where the lookup matched; rows / pdm_right: all rows and
-    those the PDM alone gets right. The rule is pdm.gate_keeps_pdm, as in drafters.PdmDrafter.copy_allowed."""
+    probability, copy inside the draft vocabulary, copy right, PDM right) per row where the lookup matched;
+    rows / pdm_right: all rows and those the PDM alone gets right. The rule is pdm.gate_keeps_pdm, as in drafters.PdmDrafter.copy_allowed."""
     from ..pdm import NO_LOOKUP_GATE, gate_keeps_pdm
 
     def accuracy(conf: float, ratio: float) -> float:
         right = pdm_right
-        for top, p_copy, copy_ok, pdm_ok in fired:
-            if not gate_keeps_pdm(top, p_copy, conf, ratio):  # the copy is drafted
+        for top, p_copy, inside, copy_ok, pdm_ok in fired:
+            if not gate_keeps_pdm(top, p_copy, inside, conf, ratio):  # the copy is drafted
                 right += int(copy_ok) - int(pdm_ok)
         return right / max(rows, 1)
 
@@ -56,6 +60,39 @@ def lookup_gate_table(fired: Sequence[tuple[float, float, bool, bool]], rows: in
                 best, best_acc = (c, r), grid[f"{c},{r}"]
     return {"rows": rows, "rows_matched": len(fired), "pdm_alone": pdm_right / max(rows, 1),
             "no_gate": accuracy(*NO_LOOKUP_GATE), "grid": grid, "best": list(best), "best_accuracy": best_acc}
+
+
+def copy_boost_table(rows: int, base: dict, copies: dict, gate: Sequence[float], temperatures: Sequence[float],
+                     boosts: Sequence[float]) -> dict:
+    """Expected acceptance at T > 0 with and without the copy boost, at one draft temperature scale.
+
+    base: {T: sum over all rows of the PDM's overlap sum_x min(p_T, q_T)}; copies: per matched row,
+    tensors "base" [r, len(T)] (the PDM's overlap), "one_hot" [r, len(T)] (p_T of the copied token),
+    "boost" [r, len(T), len(boosts)] (the overlap of the boosted q), "inside" [r] (copy in the draft
+    vocabulary), "top" / "p_copy" [r] (what the gate reads). Copies outside the draft vocabulary go the
+    gated one-hot way in both drafters, as in drafters.PdmDrafter."""
+    from ..pdm import gate_keeps_pdm
+
+    n = max(rows, 1)
+    copy = ~gate_keeps_pdm(copies["top"], copies["p_copy"], copies["inside"], gate[0], gate[1])  # one-hot copies
+    one_hot_gain = torch.where(copy[:, None], copies["one_hot"] - copies["base"], 0.0)  # [r, T]
+    one_hot = {str(t): (base[t] + float(one_hot_gain[:, i].sum())) / n for i, t in enumerate(temperatures)}
+    outside = ~copies["inside"]
+    grid = {}
+    for j, d in enumerate(boosts):
+        gain = torch.where(copies["inside"][:, None], copies["boost"][:, :, j] - copies["base"],
+                           torch.where(outside[:, None], one_hot_gain, 0.0))
+        grid[str(d)] = {str(t): (base[t] + float(gain[:, i].sum())) / n for i, t in enumerate(temperatures)}
+
+    def mean(acc: dict) -> float:
+        return sum(acc.values()) / max(len(acc), 1)
+
+    best, best_mean = None, mean(one_hot)
+    for d in boosts:
+        if mean(grid[str(d)]) > best_mean + 1e-12:
+            best, best_mean = d, mean(grid[str(d)])
+    return {"rows_matched": int(copies["top"].numel()), "one_hot": one_hot, "one_hot_mean": mean(one_hot),
+            "grid": grid, "best": best, "best_mean": best_mean}
 
 
 def teacher_rows(target_obj, head, samples: Sequence[dict], batch_size: int = 8, max_seq_len: int = 512):
@@ -98,12 +135,14 @@ def lookup_matches(ids: torch.Tensor, sel: torch.Tensor, k: int):
 def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
               scales: Sequence[float] = DEFAULT_SCALES, batch_size: int = 8, max_seq_len: int = 512,
               lookup: int = 0, gate_confidences: Sequence[float] = DEFAULT_GATE_CONFIDENCES,
-              gate_ratios: Sequence[float] = DEFAULT_GATE_RATIOS) -> dict:
+              gate_ratios: Sequence[float] = DEFAULT_GATE_RATIOS,
+              copy_boosts: Sequence[float] = DEFAULT_COPY_BOOSTS) -> dict:
     """-> {"rows", "top1", "acceptance": {"T": {"s": expected acceptance}}, "mean": {"s": mean over T},
-    "best_scale"}, plus "lookup_gate" (lookup_gate_table) when lookup = k > 0. Rows: the assistant
-    positions of `samples`, each scored as the newest token."""
+    "best_scale"}, plus "lookup_gate" (lookup_gate_table) and "copy_boost" (copy_boost_table, at the best
+    scale and gate) when lookup = k > 0. Rows: the assistant positions of `samples`, each scored as the
+    newest token."""
     from ..config import SpdConfigError, check_lookup
-    from ..pdm import SCALE_RANGE, draft_vocab_slots, valid_fraction, valid_scale
+    from ..pdm import COPY_BOOST_MAX, SCALE_RANGE, draft_vocab_slots, valid_boost, valid_fraction, valid_scale
 
     if not samples:
         raise SpdConfigError("calibration needs held-out samples; pass --val FILE (chat jsonl or text)")
@@ -117,7 +156,11 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in list(gate_confidences) + list(gate_ratios):
         if not valid_fraction(x):
             raise SpdConfigError(f"lookup gate confidences and ratios must be numbers in [0, 1], got {x!r}")
-    fired: list[tuple[float, float, bool, bool]] = []
+    for x in copy_boosts:
+        if x is None or not valid_boost(x):
+            raise SpdConfigError(f"copy boosts must be numbers in [0, {COPY_BOOST_MAX:g}], got {x!r}")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("base", "one_hot", "boost", "inside", "top", "p_copy")}
+    fired: list[tuple[float, float, bool, bool, bool]] = []
     pdm_right = 0
     dv = head.draft_vocab
     slot = None
@@ -132,8 +175,12 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             pdm_right += int(right.sum())
             q = torch.cat([torch.softmax(s_logits, -1), s_logits.new_zeros(len(s_logits), 1)], 1)  # col V_d: 0
             slot = draft_vocab_slots(dv, t_logits.shape[-1]).cpu() if slot is None else slot
-            for row, c in lookup_matches(ids, sel, lookup):
-                fired.append((float(q[row].max()), float(q[row, slot[c]]), c == int(y[row]), bool(right[row])))
+            matches = list(lookup_matches(ids, sel, lookup))
+            for row, c in matches:
+                fired.append((float(q[row].max()), float(q[row, slot[c]]), int(slot[c]) < len(dv), c == int(y[row]),
+                              bool(right[row])))
+            if matches and copy_boosts:
+                _copy_rows(parts, matches, q, slot, s_logits, t_logits, dv, temperatures, scales, copy_boosts)
         for t in temperatures:
             p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
             for s in scales:
@@ -146,17 +193,64 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     if lookup:
         res["lookup_gate"] = dict(lookup_gate_table(fired, int(rows), pdm_right, gate_confidences, gate_ratios),
                                   lookup=lookup)
+        if parts["top"] and copy_boosts:
+            si = list(scales).index(best)
+            copies = {k: torch.cat(v) for k, v in parts.items()}
+            copies["base"], copies["boost"] = copies["base"][:, :, si], copies["boost"][:, :, si]
+            res["copy_boost"] = dict(copy_boost_table(int(rows), {t: sums[(t, best)] for t in temperatures}, copies,
+                                                      res["lookup_gate"]["best"], temperatures, copy_boosts),
+                                     scale=best)
     return res
 
 
-def write_scale(head_dir: str | Path, scale: float, lookup_gate: Sequence[float] | None = None) -> None:
-    """Set draft_temperature_scale (and, if given, the lookup gate) in a head directory's draft_config.json."""
+def _copy_rows(parts: dict, matches: list, q: torch.Tensor, slot: torch.Tensor, s_logits: torch.Tensor,
+               t_logits: torch.Tensor, dv: torch.Tensor, temperatures: Sequence[float], scales: Sequence[float],
+               boosts: Sequence[float]) -> None:
+    """Append what copy_boost_table needs for the matched rows of one batch (every scale: the best one is
+    only known after the pass)."""
+    rows = torch.tensor([r for r, _ in matches])
+    cop = torch.tensor([c for _, c in matches])
+    V_d = len(dv)
+    sl = slot[cop]
+    inside = sl < V_d
+    col = sl.clamp_max(V_d - 1)[:, None]
+    lg = s_logits[rows]
+    base = torch.zeros(len(rows), len(temperatures), len(scales))
+    boost = torch.zeros(len(rows), len(temperatures), len(scales), len(boosts))
+    one_hot = torch.zeros(len(rows), len(temperatures))
+    for i, t in enumerate(temperatures):
+        p = torch.softmax(t_logits[rows] / t, -1)
+        one_hot[:, i] = p.gather(1, cop[:, None])[:, 0]
+        p_dv = p[:, dv]
+        for j, s in enumerate(scales):
+            x = lg / (t * s)
+            base[:, i, j] = torch.minimum(p_dv, torch.softmax(x, -1)).sum(-1)
+            for k, d in enumerate(boosts):
+                xb = x.scatter_add(1, col, torch.full_like(col, float(d), dtype=x.dtype))
+                boost[:, i, j, k] = torch.minimum(p_dv, torch.softmax(xb, -1)).sum(-1)
+    parts["base"].append(base)
+    parts["boost"].append(boost)
+    parts["one_hot"].append(one_hot)
+    parts["inside"].append(inside)
+    parts["top"].append(q[rows].max(-1).values)
+    parts["p_copy"].append(q[rows, sl])
+
+
+_KEEP = object()
+
+
+def write_scale(head_dir: str | Path, scale: float, lookup_gate: Sequence[float] | None = None,
+                copy_boost: float | None | object = _KEEP) -> None:
+    """Set draft_temperature_scale (and, if given, the lookup gate and the copy boost, None for one-hot
+    copies) in a head directory's draft_config.json."""
     from ..pdm import read_draft_config
 
     dcfg = dataclasses.replace(read_draft_config(head_dir), draft_temperature_scale=float(scale))
     if lookup_gate is not None:
         dcfg = dataclasses.replace(dcfg, lookup_gate_confidence=float(lookup_gate[0]),
                                    lookup_gate_ratio=float(lookup_gate[1]))
+    if copy_boost is not _KEEP:
+        dcfg = dataclasses.replace(dcfg, lookup_copy_boost=None if copy_boost is None else float(copy_boost))
     (Path(head_dir) / "draft_config.json").write_text(dcfg.to_json())
 
 
@@ -183,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the runtime's default; 0 skips it)")
     p.add_argument("--gate-confidences", type=_floats, default=list(DEFAULT_GATE_CONFIDENCES))
     p.add_argument("--gate-ratios", type=_floats, default=list(DEFAULT_GATE_RATIOS))
+    p.add_argument("--copy-boosts", type=_floats, default=list(DEFAULT_COPY_BOOSTS),
+                   help="logit boosts of a copied token to try for sampled decoding (empty: keep one-hot copies)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--write", action="store_true",
                    help="store the best scale (and lookup gate) in the head's draft_config.json")
@@ -200,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(a.model)
         head = load_draft(a.head, target.model, target.fingerprint)
         res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
-                        lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios)
+                        lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
+                        copy_boosts=a.copy_boosts)
     except SpdConfigError as e:
         print(f"spd_fast.train.calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -221,12 +318,25 @@ def main(argv: list[str] | None = None) -> int:
         for c in a.gate_confidences:
             print(f"| {c} | " + " | ".join(f"{gate['grid'][f'{c},{r}']:.4f}" for r in a.gate_ratios) + " |")
         print(f"best gate: confidence {gate['best'][0]}, ratio {gate['best'][1]} ({gate['best_accuracy']:.4f})")
+    cb = res.get("copy_boost")
+    if cb:
+        print(f"\ncopy boost (sampled decoding, scale {cb['scale']}, {cb['rows_matched']} matched rows): expected "
+              "acceptance")
+        print("| copy | " + " | ".join(f"T={t}" for t in a.temperatures) + " | mean |")
+        print("|---|" + "---|" * (len(a.temperatures) + 1))
+        for name, acc in [("one-hot (gated)", cb["one_hot"])] + [(f"boost {d}", cb["grid"][str(d)])
+                                                                  for d in a.copy_boosts]:
+            print(f"| {name} | " + " | ".join(f"{acc[str(t)]:.4f}" for t in a.temperatures)
+                  + f" | {sum(acc.values()) / len(acc):.4f} |")
+        print(f"best: {'one-hot' if cb['best'] is None else 'boost ' + str(cb['best'])} ({cb['best_mean']:.4f})")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     if a.write:
-        write_scale(a.head, res["best_scale"], gate["best"] if gate else None)
+        boost = cb["best"] if cb else _KEEP
+        write_scale(a.head, res["best_scale"], gate["best"] if gate else None, boost)
         print(f"wrote draft_temperature_scale={res['best_scale']}"
               + (f", lookup_gate_confidence={gate['best'][0]}, lookup_gate_ratio={gate['best'][1]}" if gate else "")
+              + (f", lookup_copy_boost={cb['best']}" if cb else "")
               + f" to {Path(a.head) / 'draft_config.json'}")
     return 0
 
