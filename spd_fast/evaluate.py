@@ -238,7 +238,9 @@ def window_label(a: int) -> str:
 
 
 class _RecordingDrafter:
-    """Wraps an engine's drafter and records every draft: (position, token, context, lookup fired)."""
+    """Wraps an engine's drafter and records every draft: (position, token, context, lookup fired). The
+    lookup fired when the k newest tokens matched earlier and the draft is the copied token (a head's
+    lookup gate may keep the PDM's own draft over a match)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -258,7 +260,10 @@ class _RecordingDrafter:
         tok, q = self.inner.draft(engine, st, params, generator)
         p = int(st.p_new)
         k = getattr(self.inner, "lookup", 0)
-        fired = bool(k) and p >= k and bool(lookup_next(st.tokens[:p + 1], st.p_new, k)[0])
+        fired = False
+        if k and p >= k:
+            found, copied = lookup_next(st.tokens[:p + 1], st.p_new, k)
+            fired = bool(found) and int(copied) == int(tok)
         self.rows.append((p + 1, int(tok), st.tokens[:p + 1].clone(), fired))
         return tok, q
 

@@ -43,3 +43,33 @@ def test_breakdown_counts_equal_the_engines(default_target):
                    "lookup draft / repeated 4-gram"),):
         assert sum(c[k]["verified"] for k in cross if k in c) == c["overall"]["verified"]
     assert c["lookup draft"]["verified"] > 0                 # the repeating prompt makes the lookup fire
+
+
+def test_recorder_counts_a_gated_match_as_a_pdm_draft(tiny_checkpoint):
+    """A match that the lookup gate overrides is the PDM's draft, not the lookup's: with gate (0, 1) the PDM
+    keeps its draft on every match, so only matches whose copy equals that draft count as lookup drafts."""
+    import dataclasses
+
+    from conftest import tiny_target
+    from spd_fast.config import uniform_boundaries
+    from spd_fast.drafters import PdmDrafter
+    from spd_fast.engine import SPDEngine
+    from spd_fast.evaluate import _RecordingDrafter
+    from spd_fast.ops import lookup_next
+    from spd_fast.sampling import SamplingParams
+    from test_engine import random_head
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = random_head(m, b, vocab=97)
+    counts = {}
+    for gate in ((1.0, 0.0), (0.0, 1.0)):
+        h = random_head(m, b, vocab=97)
+        h.dcfg = dataclasses.replace(head.dcfg, lookup_gate_confidence=gate[0], lookup_gate_ratio=gate[1])
+        rec = _RecordingDrafter(PdmDrafter(h, lookup=1))
+        SPDEngine(m, rec, b).run([5, 17, 3, 9, 5, 17, 3, 9], 40, SamplingParams(), [])
+        matched = [bool(lookup_next(ctx, torch.tensor(len(ctx) - 1), 1)[0]) for _, _, ctx, _ in rec.rows]
+        fired = [f for *_, f in rec.rows]
+        counts[gate] = (sum(matched), sum(fired))
+    assert counts[(1.0, 0.0)][0] == counts[(1.0, 0.0)][1] > 0      # ungated: every match is copied
+    assert counts[(0.0, 1.0)][1] < counts[(0.0, 1.0)][0]            # gated: some matches are the PDM's drafts
