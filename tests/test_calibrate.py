@@ -24,6 +24,19 @@ def _head(m, fingerprint="tiny", vocab=97):
     return head.eval().requires_grad_(False)
 
 
+def _rows_one_by_one(m, head, data):
+    """Yield (sequence, row r, the PDM's logits [V_d] and the target's [V] at r) for every assistant row,
+    each sample run alone (the brute force the batched calibration is checked against)."""
+    tr = PdmTrainer(m, head, TrainConfig())
+    for smp in data:
+        seq = smp["prompt_ids"] + smp["response_ids"]
+        P, T = len(smp["prompt_ids"]), len(seq)
+        anchors, logits = tr.teacher_forward(torch.tensor([seq]), torch.tensor([T]))
+        q_logits, _ = tr.student_logits(anchors, torch.tensor([T]), None, torch.arange(T))
+        for r in range(P - 1, T - 1):
+            yield seq, r, q_logits[r].float(), logits[0, r].float()
+
+
 def test_estimate_matches_per_sample_brute_force_and_scales_the_draft_temperature(tiny_checkpoint):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 5)
@@ -137,27 +150,20 @@ def test_lookup_gate_calibration_matches_per_row_brute_force(tiny_checkpoint):
     res = calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), batch_size=3, max_seq_len=64, lookup=1,
                     gate_confidences=confs, gate_ratios=ratios)
     gate = res["lookup_gate"]
-    tr = PdmTrainer(m, head, TrainConfig())
     dv = head.draft_vocab.tolist()
     right = {(c, r): 0 for c in confs for r in ratios}
     rows = matched = 0
-    for smp in data:
-        seq = smp["prompt_ids"] + smp["response_ids"]
-        ids = torch.tensor([seq])
-        P, T = len(smp["prompt_ids"]), ids.shape[1]
-        anchors, logits = tr.teacher_forward(ids, torch.tensor([T]))
-        q_logits, _ = tr.student_logits(anchors, torch.tensor([T]), None, torch.arange(T))
-        for r in range(P - 1, T - 1):
-            rows += 1
-            q = torch.softmax(q_logits[r].float(), -1)
-            y, own, top = int(logits[0, r].argmax()), dv[int(q.argmax())], float(q.max())
-            copy = _brute(seq, r, 1) if r >= 1 else None
-            matched += copy is not None
-            p_copy = float(q[dv.index(copy)]) if copy in dv else 0.0
-            for c in confs:
-                for ra in ratios:
-                    use_copy = copy is not None and not (top > c and p_copy < ra * top and copy in dv)
-                    right[c, ra] += (copy if use_copy else own) == y
+    for seq, r, lg, t_lg in _rows_one_by_one(m, head, data):
+        rows += 1
+        q = torch.softmax(lg, -1)
+        y, own, top = int(t_lg.argmax()), dv[int(q.argmax())], float(q.max())
+        copy = _brute(seq, r, 1) if r >= 1 else None
+        matched += copy is not None
+        p_copy = float(q[dv.index(copy)]) if copy in dv else 0.0
+        for c in confs:
+            for ra in ratios:
+                use_copy = copy is not None and not (top > c and p_copy < ra * top and copy in dv)
+                right[c, ra] += (copy if use_copy else own) == y
     assert gate["rows"] == rows and gate["rows_matched"] == matched > 0
     for (c, ra), k in right.items():
         assert gate["grid"][f"{c},{ra}"] == pytest.approx(k / rows)
@@ -184,44 +190,35 @@ def test_copy_boost_calibration_matches_per_row_brute_force(tiny_checkpoint):
     cb = res["copy_boost"]
     assert res["lookup_gate"]["best"] in ([0.5, 0.5], [1.0, 0.0])
     g = res["lookup_gate"]["best"]
-    tr = PdmTrainer(m, head, TrainConfig())
     dv = head.draft_vocab.tolist()
     one_hot = {t: 0.0 for t in temps}
     boosted = {(t, d): 0.0 for t in temps for d in boosts}
     rows = outside = 0
-    for smp in data:
-        seq = smp["prompt_ids"] + smp["response_ids"]
-        ids = torch.tensor([seq])
-        P, T = len(smp["prompt_ids"]), ids.shape[1]
-        anchors, logits = tr.teacher_forward(ids, torch.tensor([T]))
-        q_logits, _ = tr.student_logits(anchors, torch.tensor([T]), None, torch.arange(T))
-        for r in range(P - 1, T - 1):
-            rows += 1
-            lg = q_logits[r].float()
-            q0 = torch.softmax(lg, -1)
-            copy = _brute(seq, r, 1) if r >= 1 else None
-            inside = copy in dv
-            outside += copy is not None and not inside
-            p_copy = float(q0[dv.index(copy)]) if inside else 0.0
-            gate_copies = copy is not None and not (float(q0.max()) > g[0] and p_copy < g[1] * float(q0.max())
-                                                     and inside)
-            for t in temps:
-                p = torch.softmax(logits[0, r].float() / t, -1)
+    for seq, r, lg, t_lg in _rows_one_by_one(m, head, data):
+        rows += 1
+        q0 = torch.softmax(lg, -1)
+        copy = _brute(seq, r, 1) if r >= 1 else None
+        inside = copy in dv
+        outside += copy is not None and not inside
+        p_copy = float(q0[dv.index(copy)]) if inside else 0.0
+        gate_copies = copy is not None and not (float(q0.max()) > g[0] and p_copy < g[1] * float(q0.max()) and inside)
+        for t in temps:
+            p = torch.softmax(t_lg / t, -1)
 
-                def overlap(x):  # x: draft-vocabulary logits already divided by the draft temperature
-                    q = torch.zeros_like(p)
-                    q[head.draft_vocab] = torch.softmax(x, -1)
-                    return float(torch.minimum(p, q).sum())
+            def overlap(x):  # x: draft-vocabulary logits already divided by the draft temperature
+                q = torch.zeros_like(p)
+                q[head.draft_vocab] = torch.softmax(x, -1)
+                return float(torch.minimum(p, q).sum())
 
-                own = overlap(lg / (t * 0.9))
-                one_hot[t] += float(p[copy]) if gate_copies else own
-                for d in boosts:
-                    if copy is not None and inside:
-                        x = lg / (t * 0.9)
-                        x[dv.index(copy)] += d
-                        boosted[t, d] += overlap(x)
-                    else:
-                        boosted[t, d] += float(p[copy]) if copy is not None else own
+            own = overlap(lg / (t * 0.9))
+            one_hot[t] += float(p[copy]) if gate_copies else own
+            for d in boosts:
+                if copy is not None and inside:
+                    x = lg / (t * 0.9)
+                    x[dv.index(copy)] += d
+                    boosted[t, d] += overlap(x)
+                else:
+                    boosted[t, d] += float(p[copy]) if copy is not None else own
     assert cb["rows_matched"] == res["lookup_gate"]["rows_matched"] > 0 and outside > 0 and cb["scale"] == 0.9
     for t in temps:
         assert cb["one_hot"][str(t)] == pytest.approx(one_hot[t] / rows, abs=1e-5)
