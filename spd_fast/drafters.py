@@ -111,20 +111,22 @@ class PdmDrafter:
         boost = head.dcfg.lookup_copy_boost
         if params.greedy or boost is None:
             tok, q = draft_sample(logits_d, head.draft_vocab, vocab_size, dp, generator)
-            return self._copy_one_hot(found, copied, tok, q, logits_d)
+            if head.dcfg.lookup_gate_confidence < 1.0:  # (1, 0) copies on every match: no gate to run
+                found = found & self.copy_allowed(logits_d, copied)
+            return self._copy_one_hot(found, copied, tok, q)
         n = logits_d.shape[-1]
         row = self._copy_slot().index_select(0, copied.view(1))  # n (outside the draft vocabulary) or its row
         inside = row < n
         add = ((found & inside).to(logits_d.dtype) * (boost * dp.temperature)).view(1)
         boosted = logits_d.scatter_add(0, row.clamp_max(n - 1), add)
         tok, q = draft_sample(boosted, head.draft_vocab, vocab_size, dp, generator)
-        return self._copy_one_hot(found & ~inside, copied, tok, q, logits_d)
+        # the gate never keeps the PDM's draft over a copy outside the draft vocabulary: no gate to run
+        return self._copy_one_hot((found & ~inside)[0], copied, tok, q)
 
-    def _copy_one_hot(self, found: torch.Tensor, copied: torch.Tensor, tok: torch.Tensor,
-                      q: torch.Tensor | None, logits_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where `found` and the gate allows it, the draft is `copied` with a one-hot q."""
-        if self.head.dcfg.lookup_gate_confidence < 1.0:  # (1, 0) copies on every match: no gate to run
-            found = found & self.copy_allowed(logits_d, copied)
+    @staticmethod
+    def _copy_one_hot(found: torch.Tensor, copied: torch.Tensor, tok: torch.Tensor,
+                      q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where `found`, the draft is `copied` with a one-hot q."""
         tok = torch.where(found, copied, tok)
         if q is not None:
             q = torch.where(found, torch.zeros_like(q).scatter_(0, copied.view(1), 1.0), q)

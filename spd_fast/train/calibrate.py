@@ -69,8 +69,8 @@ def copy_boost_table(rows: int, base: dict, copies: dict, gate: Sequence[float],
     base: {T: sum over all rows of the PDM's overlap sum_x min(p_T, q_T)}; copies: per matched row,
     tensors "base" [r, len(T)] (the PDM's overlap), "one_hot" [r, len(T)] (p_T of the copied token),
     "boost" [r, len(T), len(boosts)] (the overlap of the boosted q), "inside" [r] (copy in the draft
-    vocabulary), "top" / "p_copy" [r] (what the gate reads). Copies outside the draft vocabulary go the
-    gated one-hot way in both drafters, as in drafters.PdmDrafter."""
+    vocabulary), "top" / "p_copy" [r] (what the gate reads). Copies outside the draft vocabulary are
+    drafted one-hot by both drafters (the gate always lets them through), as in drafters.PdmDrafter."""
     from ..pdm import gate_keeps_pdm
 
     n = max(rows, 1)
@@ -159,7 +159,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in copy_boosts:
         if x is None or not valid_boost(x):
             raise SpdConfigError(f"copy boosts must be numbers in [0, {COPY_BOOST_MAX:g}], got {x!r}")
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("base", "one_hot", "boost", "inside", "top", "p_copy")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("base", "one_hot", "boost")}
     fired: list[tuple[float, float, bool, bool, bool]] = []
     pdm_right = 0
     dv = head.draft_vocab
@@ -180,7 +180,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
                 fired.append((float(q[row].max()), float(q[row, slot[c]]), int(slot[c]) < len(dv), c == int(y[row]),
                               bool(right[row])))
             if matches and copy_boosts:
-                _copy_rows(parts, matches, q, slot, s_logits, t_logits, dv, temperatures, scales, copy_boosts)
+                _copy_rows(parts, matches, slot, s_logits, t_logits, dv, temperatures, scales, copy_boosts)
         for t in temperatures:
             p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
             for s in scales:
@@ -193,9 +193,12 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     if lookup:
         res["lookup_gate"] = dict(lookup_gate_table(fired, int(rows), pdm_right, gate_confidences, gate_ratios),
                                   lookup=lookup)
-        if parts["top"] and copy_boosts:
+        if parts["base"] and copy_boosts:
             si = list(scales).index(best)
             copies = {k: torch.cat(v) for k, v in parts.items()}
+            # the gate's inputs of the same matched rows, in the same order
+            copies["top"], copies["p_copy"] = torch.tensor([f[0] for f in fired]), torch.tensor([f[1] for f in fired])
+            copies["inside"] = torch.tensor([f[2] for f in fired])
             copies["base"], copies["boost"] = copies["base"][:, :, si], copies["boost"][:, :, si]
             res["copy_boost"] = dict(copy_boost_table(int(rows), {t: sums[(t, best)] for t in temperatures}, copies,
                                                       res["lookup_gate"]["best"], temperatures, copy_boosts),
@@ -203,7 +206,7 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     return res
 
 
-def _copy_rows(parts: dict, matches: list, q: torch.Tensor, slot: torch.Tensor, s_logits: torch.Tensor,
+def _copy_rows(parts: dict, matches: list, slot: torch.Tensor, s_logits: torch.Tensor,
                t_logits: torch.Tensor, dv: torch.Tensor, temperatures: Sequence[float], scales: Sequence[float],
                boosts: Sequence[float]) -> None:
     """Append what copy_boost_table needs for the matched rows of one batch (every scale: the best one is
@@ -211,9 +214,7 @@ def _copy_rows(parts: dict, matches: list, q: torch.Tensor, slot: torch.Tensor, 
     rows = torch.tensor([r for r, _ in matches])
     cop = torch.tensor([c for _, c in matches])
     V_d = len(dv)
-    sl = slot[cop]
-    inside = sl < V_d
-    col = sl.clamp_max(V_d - 1)[:, None]
+    col = slot[cop].clamp_max(V_d - 1)[:, None]  # rows outside V_d: copy_boost_table drafts them one-hot
     lg = s_logits[rows]
     base = torch.zeros(len(rows), len(temperatures), len(scales))
     boost = torch.zeros(len(rows), len(temperatures), len(scales), len(boosts))
@@ -231,9 +232,6 @@ def _copy_rows(parts: dict, matches: list, q: torch.Tensor, slot: torch.Tensor, 
     parts["base"].append(base)
     parts["boost"].append(boost)
     parts["one_hot"].append(one_hot)
-    parts["inside"].append(inside)
-    parts["top"].append(q[rows].max(-1).values)
-    parts["p_copy"].append(q[rows, sl])
 
 
 _KEEP = object()
