@@ -755,3 +755,40 @@ def test_torchrun_data_parallel_equals_the_mean_loss_step(tiny_checkpoint, tmp_p
     for k, v in ref.items():
         torch.testing.assert_close(got["head"][k], v, atol=2e-5, rtol=1e-4, msg=k)
     assert any(not torch.allclose(got["head"][k], v, atol=1e-4) for k, v in alone.items() if v.is_floating_point())
+
+
+def test_heap_policy_is_accepted_by_glibc_and_trims_during_training(tiny_checkpoint, tmp_path, monkeypatch):
+    """glibc takes both thresholds, trim() gives freed heap memory back, and a CPU run trims every TRIM_EVERY
+    steps and after the teacher cache's flushes."""
+    import ctypes.util
+    import sys
+
+    from spd_fast.train import heap
+
+    if sys.platform.startswith("linux") and ctypes.util.find_library("c"):
+        assert heap.tune()
+
+        def rss_mb() -> float:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 / 2**20
+
+        base = rss_mb()
+        keep = []
+        for i in range(40):  # mixed sizes (1-120 MB), every other block kept a while: a fragmented heap
+            t = torch.ones((1 + 3 * i) * 2**18)
+            if i % 2:
+                keep.append(t)
+            if len(keep) > 3:
+                keep.pop(0)
+        keep.clear()
+        del t
+        heap.trim()
+        assert rss_mb() < base + 64
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=2 * heap.TRIM_EVERY + 3, batch_tokens=128, max_seq_len=64, save_every=10_000,
+                      log_every=5, warmup=1)
+    train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda _: None)
+    assert len(calls) == 1 + 2  # one after the cache's last flush, two in 23 steps

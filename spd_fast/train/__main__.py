@@ -67,24 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _limit_heap_growth() -> None:
-    """bf16 autocast on CPU with a different batch shape every step makes glibc's heap grow by tens
-    of MB per step (measured: +1 GB in 50 steps on a tiny model; fp32 stays flat). Serving large
-    blocks with mmap, and trimming early, returns them to the system on free."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
 def bf16_cpu_warning(cpuinfo: str | None = None) -> str | None:
     """A warning when this CPU has no native bf16 matmul (AVX512-BF16, AMX or Arm bf16): there, bf16 autocast is
     emulated and slower than fp32 (measured 4.5x on an AVX2 EPYC for the teacher's 4096 x 576 x 1536
@@ -101,6 +83,7 @@ def bf16_cpu_warning(cpuinfo: str | None = None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from ..config import SpdConfigError
     from ..runtime import load_target
+    from . import heap
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
     from .trainer import TrainConfig, pack_batches, train
 
@@ -124,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spd_fast.train: error: {e}", file=sys.stderr)
         return 2
     if device.type == "cpu":
-        _limit_heap_growth()
+        heap.tune()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.bf16 and device.type == "cpu" and (warning := bf16_cpu_warning()):

@@ -26,6 +26,7 @@ import torch
 
 from ..model import Transformer
 from ..progress import bar
+from . import heap
 
 FORMAT_VERSION = 1
 
@@ -120,6 +121,8 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
             states.flush()
             argmax.flush()
             np.save(d / "done.npy", done)
+            if model.device.type == "cpu":
+                heap.trim()
     (d / "meta.json").write_text(json.dumps(meta))
     np.save(d / "done.npy", done)
     del states, argmax

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..model import Transformer, apply_rope
 from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
 from ..progress import interactive
+from . import heap
 from .mask import structured_mask
 
 
@@ -549,6 +550,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
             else:
                 stats = trainer.train_step(collate(bt, cfg.max_seq_len))
             toks += stats["tokens"] * world  # this rank's loss rows; the others take as many on average
+            if trainer.dev.type == "cpu" and trainer.step % heap.TRIM_EVERY == 0:
+                heap.trim()  # shapes change every step: keep freed heap pages from piling up
             agg.append(stats)
             if budget is not None and (steps := budget.after_step()) is not None:
                 log(json.dumps({"time_budget_s": cfg.time_budget, "steps": steps}))
