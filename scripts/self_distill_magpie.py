@@ -22,8 +22,8 @@ model (SmolLM2-135M-Instruct, Apache-2.0) from the openers below, which the proj
 prompts and 256-token answers took 79 s against 93 s in fp32 (session 24; decoding small batches is
 bound by more than the GEMMs), and 192 prompts per round raise it to about 1.1 answers/s.
 On a CPU the script sets the training heap policy (`spd_fast.train.heap.tune`): decoding 64 of the held-out
-prompts for 48 tokens took 32.2 / 29.8 s against 34.3 / 31.7 s with glibc's defaults (two runs each, alternated,
-same tokens; system CPU 5.2 / 5.8 s against 9.6 / 8.3 s; session 30).
+prompts for 48 tokens took a median 21.1 s against 22.5 s with glibc's defaults (1.07x, same tokens, system CPU
+about 1 s against 3-4 s; `bench/bench_gen_heap.py`, `bench/results/heap/gen_heap.txt`, session 30).
 """
 from __future__ import annotations
 
