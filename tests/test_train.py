@@ -761,6 +761,7 @@ def test_heap_policy_is_accepted_by_glibc_and_trims_during_training(tiny_checkpo
     """glibc takes both thresholds, trim() gives freed heap memory back, and a CPU run trims every TRIM_EVERY
     steps and after the teacher cache's flushes."""
     import ctypes.util
+    import os
     import sys
 
     from spd_fast.train import heap
@@ -770,7 +771,7 @@ def test_heap_policy_is_accepted_by_glibc_and_trims_during_training(tiny_checkpo
 
         def rss_mb() -> float:
             with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * 4096 / 2**20
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
         base = rss_mb()
         keep = []
