@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -14,7 +14,7 @@ from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_
                      validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
+from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config, resplit_warning
 from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
@@ -168,8 +168,9 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
          progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None,
          lookup: int = DEFAULT_LOOKUP) -> Engine:
-    """Load a target and a draft head. draft: a head directory, None (the shipped head if one fits,
-    else a random head with a warning), or "random" (a seeded random head of the right shape).
+    """Load a target and a draft head. draft: a head directory, None (the head shipped for this model
+    and n, run at `boundaries` with a warning if they differ from its own; else a random head with a
+    warning), or "random" (a seeded random head of the right shape).
     num_stages: n; None means len(boundaries) - 1 when boundaries are given, the world size with
     placement="distributed", the head's own n when draft is a head directory, else 3.
     placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
@@ -236,9 +237,13 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head.requires_grad_(False)
         source = "random"
     else:
+        shipped = source.startswith("shipped:")  # draft=None: the shipped head runs at any split of its n
         head = load_draft(draft, net, target.fingerprint, num_stages,
-                          b if boundaries is not None else None, net.dtype, net.device)
+                          b if boundaries is not None and not shipped else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
+        if shipped and boundaries is not None and head.dcfg.boundaries != b:
+            warnings.warn(resplit_warning(Path(draft).name, head.dcfg, b), stacklevel=2)
+            head.dcfg = replace(head.dcfg, boundaries=b)  # same anchors: depth types follow the new split
         b = head.dcfg.boundaries
     from .packed import pack_draft
 

@@ -162,7 +162,9 @@ class DraftConfig:
                 f"num_stages={self.num_stages}, or draft='random', or train a head for n={num_stages}")
         if boundaries is not None and tuple(boundaries) != self.boundaries:
             raise DraftMismatchError(
-                f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}")
+                f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}; "
+                "omit boundaries (a trained head brings its own split), or adapt the head to this split with "
+                "`python -m spd_fast.train --init HEAD --boundaries ...` (keep its anchors)")
 
     def check_requested(self, anchors: Sequence[int] | None, num_layers: int | None) -> None:
         """A trained head brings its own anchors and depth; asking it for others is an error, not ignored."""
@@ -323,6 +325,13 @@ def read_draft_config(path: str | Path) -> DraftConfig:
                                  f"(relative to the head directory) does not exist; fix 'weights' there or "
                                  f"put the file back")
     return dcfg
+
+
+def resplit_warning(name: str, dcfg: DraftConfig, boundaries: Sequence[int]) -> str:
+    """The shipped head for n runs at boundaries other than the ones it was trained at (draft=None)."""
+    return (f"the shipped draft head {name} was trained for stage boundaries {list(dcfg.boundaries)}; running its "
+            f"weights at {list(boundaries)} (output is still exact; drafts may be accepted less often: omit "
+            "boundaries for the split it was trained at, or adapt it with `python -m spd_fast.train --init`)")
 
 
 def load_draft(path: str | Path, target, fingerprint: str,

@@ -294,6 +294,35 @@ def test_trained_head_refuses_other_anchors_or_depth(tiny_checkpoint, tmp_path):
         plan(draft_layers=1)
 
 
+def test_rank0_plan_runs_the_shipped_head_at_other_boundaries_with_a_warning(tiny_checkpoint, tmp_path, monkeypatch):
+    """As in api.load: with draft=None the shipped head of n runs at the requested split (its anchors
+    kept), with a warning; a head the user names is refused there, with the same message."""
+    import torch
+
+    import spd_fast.api
+    from spd_fast.config import ModelConfig
+    from spd_fast.distributed.engine import _plan_on_rank0
+    from spd_fast.distributed.partial_load import full_weights_fingerprint
+    from spd_fast.pdm import DraftMismatchError
+
+    from conftest import tiny_target  # noqa: I001
+
+    path = tiny_checkpoint("llama")
+    m, cfg = tiny_target(path), ModelConfig.from_dir(path)
+    fp = full_weights_fingerprint(path, cfg, torch.float32)
+    init_from_target(DraftHead(DraftConfig.make(cfg, (0, 3, 6), fingerprint=fp), cfg, m.norm), m).save(
+        tmp_path / "heads" / "tiny-n2")
+    monkeypatch.setattr(spd_fast.api, "HEADS_DIR", tmp_path / "heads")
+    with pytest.warns(UserWarning, match=r"shipped draft head tiny-n2 was trained for stage boundaries \[0, 3, 6\]; "
+                                         r"running its weights at \[0, 2, 6\]"):
+        p = _plan_on_rank0(path, cfg, torch.float32, 2, (0, 2, 6), None, None, None, 0)
+    assert p["draft_source"] == "shipped:tiny-n2" and p["boundaries"] == (0, 2, 6) and p["anchors"] == (0, 3, 6)
+    assert DraftConfig.from_json(p["dcfg"]).boundaries == (0, 2, 6)
+    with pytest.raises(DraftMismatchError, match=r"trained for stage boundaries \[0, 3, 6\], not \[0, 2, 6\]; omit "
+                                                 r"boundaries"):
+        _plan_on_rank0(path, cfg, torch.float32, 2, (0, 2, 6), None, str(tmp_path / "heads" / "tiny-n2"), None, 0)
+
+
 def test_bad_request_is_refused_before_any_is_sent(tmp_path, tiny_checkpoint):
     """Every request is checked on rank 0 before the first one runs: a bad eos id (or prompt id, or
     max_new_tokens) in the second request stops rank 0 with the message and releases the other rank."""

@@ -344,6 +344,39 @@ def test_api_refuses_head_for_other_n(tiny_checkpoint, tmp_path):
     assert eng.head.dcfg.num_layers == 1 and eng.boundaries == (0, 3, 6)
 
 
+def test_head_at_other_boundaries_is_refused_and_the_shipped_one_runs_there_with_a_warning(tiny_checkpoint, tmp_path,
+                                                                                              monkeypatch):
+    import spd_fast
+    import spd_fast.api
+    from spd_fast.runtime import weights_fingerprint
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    fp = weights_fingerprint(m)
+    dc = DraftConfig.make(m.cfg, (0, 2, 4, 6), anchors=(0, 2, 4, 6), fingerprint=fp)
+    init_from_target(DraftHead(dc, m.cfg, m.norm), m, seed=3).save(tmp_path / "heads" / "tiny-n3")
+    # a head the user names is refused at another split, with the way out
+    with pytest.raises(DraftMismatchError, match=r"trained for stage boundaries \[0, 2, 4, 6\], not \[0, 1, 4, 6\]; "
+                                                 r"omit boundaries .* --init HEAD --boundaries"):
+        spd_fast.load(model=tiny_checkpoint("llama"), draft=str(tmp_path / "heads" / "tiny-n3"), boundaries=(0, 1, 4, 6),
+                      progress=False)
+    # draft=None: the shipped head for n runs at the requested split (same anchors), with a warning
+    monkeypatch.setattr(spd_fast.api, "HEADS_DIR", tmp_path / "heads")
+    with pytest.warns(UserWarning, match=r"shipped draft head tiny-n3 was trained for stage boundaries \[0, 2, 4, 6\]; "
+                                         r"running its weights at \[0, 1, 4, 6\] \(output is still exact"):
+        eng = spd_fast.load(model=tiny_checkpoint("llama"), boundaries=(0, 1, 4, 6), progress=False)
+    assert eng.draft_source == "shipped:tiny-n3" and eng.boundaries == (0, 1, 4, 6)
+    assert eng.head.dcfg.boundaries == (0, 1, 4, 6) and eng.head.dcfg.anchors == (0, 2, 4, 6)
+    assert eng.head.dcfg.depth_types() == [0, 0, 2, 3]  # depth 1 ends at layer 1: read at anchor 0
+    spd = eng.generate("!", max_new_tokens=24).token_ids
+    assert spd == eng.generate("!", max_new_tokens=24, method="ar").token_ids
+    # at its own split (or with no boundaries) it loads silently
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")
+        assert spd_fast.load(model=tiny_checkpoint("llama"), boundaries=(0, 2, 4, 6), progress=False).draft_source \
+            == "shipped:tiny-n3"
+
+
 class _RecordingDrafter:
     """Computes the PDM's draft logits every cycle (recorded by p_new and fill) but proposes the
     oracle token, so the pipeline stays full and every steady-state row is visited."""
