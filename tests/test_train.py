@@ -530,6 +530,29 @@ def _run_dedupe(tmp_path, *args):
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=tmp_path)
 
 
+def test_cut_answers_keeps_the_first_tokens_of_every_kth_answer(tmp_path):
+    import gzip
+    import subprocess
+    import sys
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cut_answers.py"
+    rows = [{"prompt": f"p{i}", "prompt_ids": [1, i], "response_ids": list(range(i, i + 5))} for i in range(10)]
+    with gzip.open(tmp_path / "in.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, str(script), "in.jsonl.gz", "out/cut.jsonl", "--max-response-tokens", "3",
+                        "--every", "4", "--limit", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(x) for x in (tmp_path / "out" / "cut.jsonl").read_text().splitlines()]
+    assert out == [dict(rows[0], response_ids=[0, 1, 2]), dict(rows[4], response_ids=[4, 5, 6])]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    r = subprocess.run([sys.executable, str(script), "bad.jsonl", "o.jsonl"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and "bad.jsonl: sample 0 has no response_ids" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o.jsonl").exists()
+    r = subprocess.run([sys.executable, str(script), "missing.jsonl", "o.jsonl"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and "missing.jsonl does not exist" in r.stderr
+
+
 def test_dedupe_prompts_drops_excluded_and_repeated_prompts(tmp_path):
     import json
     rows = lambda *ps: "".join(json.dumps({"prompt": p, "response_ids": [i]}) + "\n" for i, p in enumerate(ps))
