@@ -171,14 +171,22 @@ def test_a_head_can_share_another_heads_weights_file(tiny_checkpoint, tmp_path):
         load_draft(tmp_path / "a", m, "tiny")
 
 
-def test_the_shipped_n2_head_reads_the_n3_heads_weights():
-    from spd_fast.pdm import read_draft_config
+def test_the_shipped_heads_share_anchors_and_weights_files():
+    """One head per n for the default model; heads that share weights name another head's file, and a
+    weights file is stored once, under the package's size budget."""
     from spd_fast.api import HEADS_DIR
+    from spd_fast.pdm import read_draft_config
 
-    n2, n3 = read_draft_config(HEADS_DIR / "smollm2-135m-instruct-n2"), read_draft_config(HEADS_DIR / "smollm2-135m-instruct-n3")
-    assert (n2.num_stages, n3.num_stages) == (2, 3) and n2.anchors == n3.anchors
-    assert (HEADS_DIR / "smollm2-135m-instruct-n2" / n2.weights).resolve() == \
-        (HEADS_DIR / "smollm2-135m-instruct-n3" / n3.weights).resolve()
+    heads = {d.name: read_draft_config(d) for d in sorted(HEADS_DIR.iterdir()) if (d / "draft_config.json").is_file()}
+    by_n = {c.num_stages: name for name, c in heads.items()}
+    assert len(by_n) == len(heads) and {2, 3, 4} <= set(by_n), by_n
+    assert len({(c.anchors, c.base_fingerprint, c.num_layers, c.draft_vocab_size) for c in heads.values()}) == 1
+    files = {(HEADS_DIR / name / c.weights).resolve() for name, c in heads.items()}
+    assert all(f.parent.parent == HEADS_DIR.resolve() and f.name == "draft.safetensors" for f in files)
+    assert all(f.stat().st_size < 40e6 for f in files)
+    n2, n3 = heads[by_n[2]], heads[by_n[3]]
+    assert (HEADS_DIR / by_n[2] / n2.weights).resolve() == (HEADS_DIR / by_n[3] / n3.weights).resolve()
+    assert heads[by_n[4]].weights == "draft.safetensors"  # fine-tuned at n=4: its own weights
 
 
 def test_validation_scores_held_out_data_and_keeps_the_best_head(tiny_checkpoint, tmp_path):
