@@ -179,7 +179,7 @@ def test_the_shipped_heads_share_anchors_and_weights_files():
 
     heads = {d.name: read_draft_config(d) for d in sorted(HEADS_DIR.iterdir()) if (d / "draft_config.json").is_file()}
     by_n = {c.num_stages: name for name, c in heads.items()}
-    assert len(by_n) == len(heads) and {2, 3, 4} <= set(by_n), by_n
+    assert len(by_n) == len(heads) and {2, 3, 4, 5, 6} <= set(by_n), by_n
     assert len({(c.anchors, c.base_fingerprint, c.num_layers, c.draft_vocab_size) for c in heads.values()}) == 1
     files = {(HEADS_DIR / name / c.weights).resolve() for name, c in heads.items()}
     assert all(f.parent.parent == HEADS_DIR.resolve() and f.name == "draft.safetensors" for f in files)
@@ -187,6 +187,9 @@ def test_the_shipped_heads_share_anchors_and_weights_files():
     n2, n3 = heads[by_n[2]], heads[by_n[3]]
     assert (HEADS_DIR / by_n[2] / n2.weights).resolve() == (HEADS_DIR / by_n[3] / n3.weights).resolve()
     assert heads[by_n[4]].weights == "draft.safetensors"  # fine-tuned at n=4: its own weights
+    for n in (5, 6):  # the n=4 weights, run at n=5 and n=6
+        assert (HEADS_DIR / by_n[n] / heads[by_n[n]].weights).resolve() == (HEADS_DIR / by_n[4] / "draft.safetensors").resolve()
+    assert len(files) == 2  # two weights files for five heads
 
 
 def test_validation_scores_held_out_data_and_keeps_the_best_head(tiny_checkpoint, tmp_path):
