@@ -135,3 +135,22 @@ def test_rollback_caches_equal_fresh_run(tiny_checkpoint):
     pl = int(st.pdm_len)
     for la, lb in zip(head.layers, fresh_head.layers):
         torch.testing.assert_close(la.attn.k_cache[0, :, :pl], lb.attn.k_cache[0, :, :pl], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [4, 5, 6])
+def test_shipped_heads_for_n4_to_6_are_exact_and_draft_well(default_target, n):
+    """The heads shipped for n=4..6 (the n=4 head's weights) load at their own split; greedy SPD with
+    them equals AR and, unlike a random head, most drafts are accepted on a plain chat prompt."""
+    from spd_fast.api import shipped_head
+    from spd_fast.pdm import load_draft
+
+    tg, net = default_target, default_target.model
+    d = shipped_head(tg, n)
+    assert d is not None and d.name == f"smollm2-135m-instruct-n{n}"
+    head = load_draft(d, net, tg.fingerprint, n)
+    assert head.dcfg.boundaries == uniform_boundaries(30, n) and head.dcfg.anchors == (0, 10, 20, 30)
+    ids = tg.encode([{"role": "user", "content": "Explain photosynthesis in simple terms."}])
+    ar = decode_ar(net, ids, 32, GREEDY, tg.eos_ids).token_ids
+    out = SPDEngine(net, PdmDrafter(head), head.dcfg.boundaries, head.dcfg.anchors).run(ids, 32, GREEDY, tg.eos_ids)
+    assert out.token_ids == ar
+    assert out.metrics["accepted"] >= 0.4 * out.metrics["verifications"], out.metrics
