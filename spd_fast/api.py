@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -14,7 +14,7 @@ from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_
                      validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config, resplit_warning
+from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
 from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
@@ -241,9 +241,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head = load_draft(draft, net, target.fingerprint, num_stages,
                           b if boundaries is not None and not shipped else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
-        if shipped and boundaries is not None and head.dcfg.boundaries != b:
-            warnings.warn(resplit_warning(Path(draft).name, head.dcfg, b), stacklevel=2)
-            head.dcfg = replace(head.dcfg, boundaries=b)  # same anchors: depth types follow the new split
+        if shipped:
+            head.dcfg = head.dcfg.at_split(b if boundaries is not None else None, Path(draft).name)
         b = head.dcfg.boundaries
     from .packed import pack_draft
 

@@ -8,6 +8,7 @@ g = W_t · concat(h^{b_0}, ..., h^{b_t}).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -165,6 +166,17 @@ class DraftConfig:
                 f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}; "
                 "omit boundaries (a trained head brings its own split), or adapt the head to this split with "
                 "`python -m spd_fast.train --init HEAD --boundaries ...` (keep its anchors)")
+
+    def at_split(self, boundaries: Sequence[int] | None, name: str) -> "DraftConfig":
+        """This (shipped) head run at other boundaries of its n: same weights and anchors, the depth types
+        follow the new split; warns when the split differs (draft=None with user boundaries)."""
+        if boundaries is None or tuple(boundaries) == self.boundaries:
+            return self
+        warnings.warn(f"the shipped draft head {name} was trained for stage boundaries {list(self.boundaries)}; "
+                      f"running its weights at {list(boundaries)} (output is still exact; drafts may be accepted "
+                      "less often: omit boundaries for the split it was trained at, or adapt it with "
+                      "`python -m spd_fast.train --init`)", stacklevel=3)
+        return replace(self, num_stages=len(boundaries) - 1, boundaries=tuple(boundaries))
 
     def check_requested(self, anchors: Sequence[int] | None, num_layers: int | None) -> None:
         """A trained head brings its own anchors and depth; asking it for others is an error, not ignored."""
@@ -325,13 +337,6 @@ def read_draft_config(path: str | Path) -> DraftConfig:
                                  f"(relative to the head directory) does not exist; fix 'weights' there or "
                                  f"put the file back")
     return dcfg
-
-
-def resplit_warning(name: str, dcfg: DraftConfig, boundaries: Sequence[int]) -> str:
-    """The shipped head for n runs at boundaries other than the ones it was trained at (draft=None)."""
-    return (f"the shipped draft head {name} was trained for stage boundaries {list(dcfg.boundaries)}; running its "
-            f"weights at {list(boundaries)} (output is still exact; drafts may be accepted less often: omit "
-            "boundaries for the split it was trained at, or adapt it with `python -m spd_fast.train --init`)")
 
 
 def load_draft(path: str | Path, target, fingerprint: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -18,7 +18,7 @@ import torch
 
 from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_lookup, uniform_boundaries,
                       validate_boundaries, validate_num_stages)
-from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft, resplit_warning
+from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
 from ..store import resolve_model_dir
@@ -71,9 +71,8 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         shipped = source.startswith("shipped:")  # as in api.load: the shipped head runs at any split of its n
         dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None and not shipped else None)
         dcfg.check_requested(anchors, draft_layers)
-        if shipped and boundaries is not None and dcfg.boundaries != b:
-            warnings.warn(resplit_warning(Path(draft).name, dcfg, b), stacklevel=3)
-            dcfg = replace(dcfg, boundaries=b)
+        if shipped:
+            dcfg = dcfg.at_split(b if boundaries is not None else None, Path(draft).name)
     return {"boundaries": tuple(dcfg.boundaries), "anchors": tuple(dcfg.anchors), "draft": str(draft),
             "draft_source": source, "fingerprint": fp, "dcfg": dcfg.to_json()}
 
@@ -200,10 +199,11 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
             head = DraftHead(DraftConfig.from_json(info["dcfg"]), cfg, net.norm)
             head = init_from_target(head, net, seed).to(tdtype).eval().requires_grad_(False)
         else:
-            shipped = info["draft_source"].startswith("shipped:")  # its split may differ from plan's (warned)
+            shipped = info["draft_source"].startswith("shipped:")  # rank 0 already warned if its split differs
             head = load_draft(info["draft"], net, info["fingerprint"], n, None if shipped else plan.boundaries, tdtype,
                               ctx.device)
-            head.dcfg = replace(head.dcfg, boundaries=plan.boundaries)
+            if shipped:
+                head.dcfg = DraftConfig.from_json(info["dcfg"])  # rank 0's plan: the split this run uses
         from ..packed import pack_draft
 
         pack_draft(head, net)  # as in api.load: a CPU head on a packed target decodes from packed weights
