@@ -139,8 +139,8 @@ def test_rollback_caches_equal_fresh_run(tiny_checkpoint):
 
 @pytest.mark.parametrize("n", [4, 5, 6])
 def test_shipped_heads_for_n4_to_6_are_exact_and_draft_well(default_target, n):
-    """The heads shipped for n=4..6 (the n=4 head's weights) load at their own split; greedy SPD with
-    them equals AR and, unlike a random head, most drafts are accepted on a plain chat prompt."""
+    """The heads shipped for n=4..6 (one weights file, fine-tuned at n=4, then at n=5) load at their own
+    split; greedy SPD with them equals AR and, unlike a random head, most drafts are accepted on a plain chat prompt."""
     from spd_fast.api import shipped_head
     from spd_fast.pdm import load_draft
 

@@ -186,9 +186,9 @@ def test_the_shipped_heads_share_anchors_and_weights_files():
     assert all(f.stat().st_size < 40e6 for f in files)
     n2, n3 = heads[by_n[2]], heads[by_n[3]]
     assert (HEADS_DIR / by_n[2] / n2.weights).resolve() == (HEADS_DIR / by_n[3] / n3.weights).resolve()
-    assert heads[by_n[4]].weights == "draft.safetensors"  # fine-tuned at n=4: its own weights
-    for n in (5, 6):  # the n=4 weights, run at n=5 and n=6
-        assert (HEADS_DIR / by_n[n] / heads[by_n[n]].weights).resolve() == (HEADS_DIR / by_n[4] / "draft.safetensors").resolve()
+    assert heads[by_n[5]].weights == "draft.safetensors"  # fine-tuned at n=4, then at n=5: its own weights
+    for n in (4, 6):  # the n=5 weights, run at n=4 and n=6
+        assert (HEADS_DIR / by_n[n] / heads[by_n[n]].weights).resolve() == (HEADS_DIR / by_n[5] / "draft.safetensors").resolve()
     assert len(files) == 2  # two weights files for five heads
 
 
