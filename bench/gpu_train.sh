@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the n=3 draft head on one GPU with the real target, inside a short device lease.
+# Train a draft head (n=3 by default) on one GPU with the real target, inside a short device lease.
 #
 # The device machine reaches no registry or hub and takes at most 64 MiB per call, so the target
 # (the 98 MB GGUF, xz-compressed and split in two by bench/gpu_prepare.sh) travels in two calls:
@@ -10,6 +10,8 @@
 # the carried head on the committed data plus the new data (TRAIN_S seconds, the step count and LR
 # decay fitted to it by --time-budget), and leaves in $OUT: the best head (split under the 16 MiB
 # per-file limit; join with `cat head.part_* > draft.safetensors`), the new data, and the logs.
+# The prompt writer is seeded per round: SEEDS must name seeds no committed file used (41 and 42 made
+# data/self_distill/gpu_magpie_s41_s42_*, which every run now trains on), or the dedupe drops every new row.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder whose files come back}
 S=${STASH:-/root/spd_stash}
@@ -19,6 +21,9 @@ TRAIN_S=${TRAIN_S:-240}
 LR=${LR:-2e-4}
 BATCH_TOKENS=${BATCH_TOKENS:-16384}
 GEN_BATCH=${GEN_BATCH:-1024}
+SEEDS=${SEEDS:-human:43 default:44}   # mix:seed pairs, one prompt writer each, GEN_S shared between them
+NUM_STAGES=${NUM_STAGES:-3}
+DRAFT_LAYERS=${DRAFT_LAYERS:-3}
 DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PY=.venv/bin/python with small GEN_S/TRAIN_S/GEN_BATCH: a dry run here
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 SPD_FAST_CACHE=/root/spd_cache
@@ -41,17 +46,22 @@ say "target ready"
 # 1. new self-distillation data: prompts the target writes itself, greedy 256-token answers
 D=data/self_distill
 NEW=()
-for spec in "human 41" "default 42"; do
-    set -- $spec
+read -r -a SPECS <<< "$SEEDS"
+GEN_EACH=$(( GEN_S / ${#SPECS[@]} ))
+for spec in "${SPECS[@]}"; do
+    set -- ${spec/:/ }
+    if [ "$(zcat $D/*.jsonl.gz | grep -c "\"id\": \"magpie-$2-")" -gt 0 ]; then   # -c reads it all: no SIGPIPE
+        say "seed $2 already made rows of data/self_distill: set SEEDS to seeds no file used"; exit 2
+    fi
     f="$S/gpu_magpie_s$2.jsonl"
-    timeout $(( GEN_S / 2 + 60 )) $PY scripts/self_distill_magpie.py --model "$S/model.gguf" --device "$DEVICE" \
+    timeout $(( GEN_EACH + 60 )) $PY scripts/self_distill_magpie.py --model "$S/model.gguf" --device "$DEVICE" \
         --dtype bfloat16 --out "$f" --rounds 1000 --batch "$GEN_BATCH" --seed "$2" --mix "$1" --prompt-tokens 64 \
-        --max-new-tokens 256 --time-budget $(( GEN_S / 2 )) 2>&1 | tail -n 4
+        --max-new-tokens 256 --time-budget "$GEN_EACH" 2>&1 | tail -n 4
     [ -s "$f" ] && NEW+=("$f")
 done
 DATA=(--data $D/magpie_s9_greedy_256.jsonl.gz --data $D/magpie_s10_t07_256.jsonl.gz
       --data $D/magpie_s12_greedy_256.jsonl.gz --data $D/magpie_s13_t07_256.jsonl.gz
-      --data $D/human_s30_greedy_bf16_256.jsonl.gz)
+      --data $D/human_s30_greedy_bf16_256.jsonl.gz --data $D/gpu_magpie_s41_s42_greedy_bf16_256.jsonl.gz)
 if [ ${#NEW[@]} -gt 0 ]; then
     # no prompt twice, none from the earlier data or the validation set
     $PY scripts/dedupe_prompts.py "${NEW[@]}" --exclude $D/*.jsonl.gz --out "$S/gpu_new.jsonl.gz" \
@@ -61,7 +71,7 @@ say "data: ${DATA[*]}"
 
 # 2. train from the carried head
 timeout $(( TRAIN_S + 120 )) $PY -m spd_fast.train --model "$S/model.gguf" --device "$DEVICE" --dtype bfloat16 --bf16 \
-    --out "$S/run" --init "$S/init" --num-stages 3 --draft-layers 3 --draft-vocab 16384 "${DATA[@]}" \
+    --out "$S/run" --init "$S/init" --num-stages "$NUM_STAGES" --draft-layers "$DRAFT_LAYERS" --draft-vocab 16384 "${DATA[@]}" \
     --val $D/val_long_s21_256.jsonl.gz --val-limit 80 --steps 100000 --lr "$LR" --warmup 50 \
     --batch-tokens "$BATCH_TOKENS" --save-every 100 --time-budget "$TRAIN_S" --no-feature-cache --threads 8 \
     2>&1 | grep -v '"step": [0-9]*[1-9]0, "epoch"' | tail -n 40

@@ -554,6 +554,16 @@ def test_cut_answers_keeps_the_first_tokens_of_every_kth_answer(tmp_path):
     assert r.returncode == 0, r.stderr
     out = [json.loads(x) for x in (tmp_path / "out" / "cut.jsonl").read_text().splitlines()]
     assert out == [dict(rows[0], response_ids=[0, 1, 2]), dict(rows[4], response_ids=[4, 5, 6])]
+    # --complement: the rows --every 4 drops, so the two cuts together hold every row once
+    r = subprocess.run([sys.executable, str(script), "in.jsonl.gz", "rest.jsonl", "--max-response-tokens", "2",
+                        "--every", "4", "--complement"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rest = [json.loads(x) for x in (tmp_path / "rest.jsonl").read_text().splitlines()]
+    assert [x["prompt"] for x in rest] == [f"p{i}" for i in (1, 2, 3, 5, 6, 7, 9)]
+    assert rest[0]["response_ids"] == [1, 2]
+    r = subprocess.run([sys.executable, str(script), "in.jsonl.gz", "none.jsonl", "--complement"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "--complement with --every 1 keeps nothing" in r.stderr
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     r = subprocess.run([sys.executable, str(script), "bad.jsonl", "o.jsonl"], capture_output=True, text=True,
                        cwd=tmp_path)
