@@ -17,11 +17,13 @@ import glob
 import gzip
 import itertools
 import json
+import sys
 import warnings
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent))  # probe_lookup, beside this
 KS = (1, 2, 3, 4, 5, 6)
 TAIL = 8
 
@@ -29,7 +31,6 @@ TAIL = 8
 def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
     import spd_fast
     from spd_fast.drafters import PdmDrafter
-    from spd_fast.evaluate import load_eval_prompts
     from spd_fast.model import kv_bound_for
 
     class Rec(PdmDrafter):
@@ -57,24 +58,12 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
     old = eng.spd.drafter
     rec = Rec(old.head, old.lookup)
     eng.spd.drafter = rec
-    out = []
-    for cat, ps in load_eval_prompts(limit=start + limit).items():
-        for r in ps[start:start + limit]:
-            rec.rows = []
-            o = eng.generate([{"role": "user", "content": r["prompt"]}], max_new, temperature=0, method="spd")
-            full = rec.prompt + o.token_ids
-            for row in rec.rows:
-                p = row["p"]
-                if p + 1 >= len(full) or row["ctx"].tolist() != full[:p + 1]:
-                    continue
-                row["tail"] = full[max(0, p + 1 - TAIL):p + 1]
-                del row["ctx"]
-                row["truth"] = full[p + 1]
-                row["cat"] = cat
-                out.append(row)
-            print(cat, r.get("id"), len(o.token_ids), round(o.metrics["accepted"] / max(1, o.metrics["verifications"]), 3),
-                  flush=True)
-    return out
+    from probe_lookup import verified_rows
+
+    def tail(row, full):
+        row["tail"] = full[max(0, row["p"] + 1 - TAIL):row["p"] + 1]
+
+    return verified_rows(eng, rec, start, limit, max_new, extra=tail)
 
 
 class NgramTable:

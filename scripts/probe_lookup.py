@@ -67,6 +67,15 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
     eng = spd_fast.load(num_stages=n, lookup=0, progress=False)
     rec = Rec(eng.spd.drafter.head)
     eng.spd.drafter = rec
+    return verified_rows(eng, rec, start, limit, max_new)
+
+
+def verified_rows(eng, rec, start: int, limit: int, max_new: int, extra=None) -> list[dict]:
+    """Greedy SPD over eval prompts [start, start + limit) of each category with the recording drafter `rec`
+    (rows with "p" and "ctx"); keep the rows whose context turned out right (the drafts verification counts),
+    each with "truth" (the target's next token) and "cat"; extra(row, full tokens) may add fields first."""
+    from spd_fast.evaluate import load_eval_prompts
+
     out = []
     for cat, ps in load_eval_prompts(limit=start + limit).items():
         for r in ps[start:start + limit]:
@@ -77,6 +86,8 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
                 p = row["p"]
                 if p + 1 >= len(full) or row["ctx"].tolist() != full[:p + 1]:
                     continue
+                if extra is not None:
+                    extra(row, full)
                 del row["ctx"]
                 row["truth"] = full[p + 1]
                 row["cat"] = cat
