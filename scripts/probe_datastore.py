@@ -31,7 +31,6 @@ TAIL = 8
 def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
     import spd_fast
     from spd_fast.drafters import PdmDrafter
-    from spd_fast.model import kv_bound_for
 
     class Rec(PdmDrafter):
         def prefill(self, engine, st):
@@ -39,18 +38,17 @@ def record(start: int, limit: int, n: int, max_new: int) -> list[dict]:
             self.prompt = st.tokens[:st.prompt_len].tolist()
 
         def draft(self, engine, st, params, generator):
-            tok, q = super().draft(engine, st, params, generator)
-            head = self.head
-            p_new = int(st.p_new)
-            # the PDM's distribution again (its cache already holds these rows: recompute only the last)
-            pos = torch.arange(p_new, p_new + 1)
-            depth = torch.where(pos < st.p_old, engine.n, st.p_new - pos)
-            g = head.aggregate(st.anchors[p_new:p_new + 1], engine.depth_type[depth])
-            h = head.tower(g[None], pos[None], kv_bound_for(p_new, head.max_len))
-            pr = torch.softmax(head.draft_logits(h[0, -1]).float(), -1)
-            top = pr.topk(32)
-            self.rows.append({"p": p_new, "ctx": st.tokens[:p_new + 1].clone(), "draft": int(tok),
-                              "top_ids": head.draft_vocab[top.indices].tolist(), "top_p": top.values.tolist()})
+            # capture the PDM's logits as PdmDrafter.draft computes them (an instance attribute shadows the method)
+            seen = {}
+            head_logits = self.head.draft_logits
+            self.head.draft_logits = lambda h: seen.setdefault("logits", head_logits(h))
+            try:
+                tok, q = super().draft(engine, st, params, generator)
+            finally:
+                del self.head.draft_logits
+            top = torch.softmax(seen["logits"].float(), -1).topk(32)
+            self.rows.append({"p": int(st.p_new), "ctx": st.tokens[:int(st.p_new) + 1].clone(), "draft": int(tok),
+                              "top_ids": self.head.draft_vocab[top.indices].tolist(), "top_p": top.values.tolist()})
             return tok, q
 
     warnings.simplefilter("ignore")
@@ -132,7 +130,6 @@ def score(train_rows: list[dict], test_rows: list[dict] | None, files: list[str]
         for r in rows:
             r["ds"] = {k: tables[k].query(r["tail"]) for k in KS}
             r["pconf"] = r["top_p"][0]
-            r["pdm_p"] = dict(zip(r["top_ids"], r["top_p"]))
 
     def stats(rows):
         N = len(rows)
