@@ -1,75 +1,56 @@
 """Give a trained head with a frozen LM head a larger draft vocabulary, without training.
 
 A head saved with `frozen_lm_head` stores only `draft_vocab` (draft index -> token id); its LM-head rows are
-copied from the target at load. Appending token ids to that buffer therefore lets the tower's output score
-tokens it was never trained on, through the target's own rows. The old ids keep their order and slots.
+copied from the target at load. Adding token ids to that buffer therefore lets the tower's output score
+tokens it was never trained on, through the target's own rows.
 
     .venv/bin/python scripts/extend_draft_vocab.py spd_fast/heads/smollm2-135m-instruct-n3 runs/vocab/n3_full
-    .venv/bin/python scripts/extend_draft_vocab.py HEAD OUT --size 0 --data data/self_distill   # every token seen
+    .venv/bin/python scripts/extend_draft_vocab.py HEAD OUT --size 32768 --data data/self_distill/human_s45_greedy_80.jsonl.gz
 
-`--size` 0 with `--data` adds every token id the answers and prompts of those .jsonl(.gz) files contain, most
-frequent first; otherwise the vocabulary grows to `--size` ids (the base vocabulary size: all of them).
+The vocabulary grows to `--size` ids (default: all of the base vocabulary), chosen like a new head's
+(`trainer.build_draft_vocab`, the old ids kept): most frequent answer tokens of `--data`, then prompt tokens,
+then the lowest unused ids. The ids come back sorted; the order does not matter, since the frozen rows are
+rebuilt from the buffer at load.
 Session 34 measured the full vocabulary at n=3: docs/TRAINING.md, "A full draft vocabulary".
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
-import json
+from dataclasses import replace
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
-
-def token_counts(paths: list[Path]) -> collections.Counter:
-    cnt: collections.Counter = collections.Counter()
-    files = [f for p in paths for f in (sorted(p.glob("*.jsonl*")) if p.is_dir() else [p])]
-    for f in files:
-        with (gzip.open(f, "rt") if f.suffix == ".gz" else open(f)) as fh:
-            for line in fh:
-                row = json.loads(line)
-                cnt.update(row.get("prompt_ids", []))
-                cnt.update(row.get("response_ids", []))
-    return cnt
+from spd_fast.pdm import WEIGHTS_FILE, read_draft_config
+from spd_fast.train.data import read_jsonl
+from spd_fast.train.trainer import build_draft_vocab
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("head", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--size", type=int, default=-1, help="new vocabulary size (-1: the base vocabulary size)")
-    ap.add_argument("--data", type=Path, action="append", default=[],
-                    help="rank added ids by their frequency in these files or folders")
+    ap.add_argument("--size", type=int, default=0, help="new vocabulary size (default: the base vocabulary size)")
+    ap.add_argument("--data", action="append", default=[], help="a .jsonl(.gz) file whose token frequencies rank the added ids")
     args = ap.parse_args(argv)
 
-    cfg = json.loads((args.head / "draft_config.json").read_text())
-    if not cfg.get("frozen_lm_head"):
+    dcfg = read_draft_config(args.head)
+    if not dcfg.frozen_lm_head:
         raise SystemExit(f"{args.head}: its LM head was trained (frozen_lm_head false), so rows for new ids do not "
                          "exist; extend only heads with a frozen LM head")
-    sd = load_file(str(args.head / cfg.get("weights", "draft.safetensors")))
-    old = sd["draft_vocab"].long()
-    have = set(old.tolist())
-    base = int(cfg["base_vocab_size"])
-    if args.data:
-        ranked = [t for t, _ in token_counts(args.data).most_common() if t not in have and 0 <= t < base]
-    else:
-        ranked = []
-    if args.size != 0:
-        seen = have | set(ranked)
-        ranked += [t for t in range(base) if t not in seen]
-    size = base if args.size < 0 else (len(old) + len(ranked) if args.size == 0 else args.size)
-    if not len(old) <= size <= base:
-        raise SystemExit(f"--size {size} must lie between the head's {len(old)} and the base vocabulary's {base}")
-    new = torch.cat([old, torch.tensor(ranked[: size - len(old)], dtype=torch.long)]).to(sd["draft_vocab"].dtype)
-    sd["draft_vocab"] = new
+    sd = load_file(str(args.head / dcfg.weights))
+    old = sd["draft_vocab"]
+    size = args.size or dcfg.base_vocab_size
+    if not old.numel() <= size <= dcfg.base_vocab_size:
+        raise SystemExit(f"--size {size} must lie between the head's {old.numel()} and the base vocabulary's "
+                         f"{dcfg.base_vocab_size}")
+    samples = [row for f in args.data for row in read_jsonl(f)]
+    sd["draft_vocab"] = build_draft_vocab(samples, size, dcfg.base_vocab_size, always=old.tolist()).to(old.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(args.out / "draft.safetensors"))
-    cfg.update(draft_vocab_size=len(new), weights="draft.safetensors")
-    (args.out / "draft_config.json").write_text(json.dumps(cfg, indent=2))
-    print(f"{args.out}: draft vocabulary {len(old)} -> {len(new)} ids")
+    save_file(sd, str(args.out / WEIGHTS_FILE))
+    (args.out / "draft_config.json").write_text(replace(dcfg, draft_vocab_size=size, weights=WEIGHTS_FILE).to_json())
+    print(f"{args.out}: draft vocabulary {old.numel()} -> {size} ids")
     return 0
 
 
