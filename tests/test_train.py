@@ -870,3 +870,31 @@ def test_heap_policy_is_accepted_by_glibc_and_trims_during_training(tiny_checkpo
                       log_every=5, warmup=1)
     train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda _: None)
     assert len(calls) == 1 + 2  # one after the cache's last flush, two in 23 steps
+
+
+def test_extend_draft_vocab_keeps_the_old_drafts_and_names_bad_input(tiny_checkpoint, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    m, _, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "extend_draft_vocab.py"
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True)
+
+    r = run(tmp_path / "a" / "head", tmp_path / "big", "--size", 80)
+    assert r.returncode == 0, r.stderr
+    small, big = load_draft(tmp_path / "a" / "head", m, "tiny"), load_draft(tmp_path / "big", m, "tiny")
+    assert big.dcfg.draft_vocab_size == 80 and big.draft_vocab.unique().numel() == 80
+    assert set(small.draft_vocab.tolist()) <= set(big.draft_vocab.tolist())
+    # the tower is untouched: every old id scores as before; the new ids get the target's own LM-head rows
+    h = torch.randn(4, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    slot = {t: i for i, t in enumerate(big.draft_vocab.tolist())}
+    old_slots = torch.tensor([slot[t] for t in small.draft_vocab.tolist()])
+    torch.testing.assert_close(big.draft_logits(h)[:, old_slots], small.draft_logits(h))
+    assert run(tmp_path / "a" / "head", tmp_path / "c", "--size", 10).stderr.strip().endswith(
+        "--size 10 must lie between the head's 50 and the base vocabulary's " + str(m.cfg.vocab_size))
+    shutil.copytree(tmp_path / "a" / "head", tmp_path / "trained")
+    cfg = json.loads((tmp_path / "trained" / "draft_config.json").read_text())
+    (tmp_path / "trained" / "draft_config.json").write_text(json.dumps(dict(cfg, frozen_lm_head=False)))
+    assert "extend only heads with a frozen LM head" in run(tmp_path / "trained", tmp_path / "d").stderr
