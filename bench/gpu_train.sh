@@ -62,7 +62,7 @@ done
 DATA=(--data $D/magpie_s9_greedy_256.jsonl.gz --data $D/magpie_s10_t07_256.jsonl.gz
       --data $D/magpie_s12_greedy_256.jsonl.gz --data $D/magpie_s13_t07_256.jsonl.gz
       --data $D/human_s30_greedy_bf16_256.jsonl.gz --data $D/gpu_magpie_s41_s42_greedy_bf16_256.jsonl.gz
-      --data $D/human_s45_greedy_80.jsonl.gz)
+      --data $D/human_s45_greedy_80.jsonl.gz --data $D/human_s46_greedy_80.jsonl.gz)
 if [ ${#NEW[@]} -gt 0 ]; then
     # no prompt twice, none from the earlier data or the validation set
     $PY scripts/dedupe_prompts.py "${NEW[@]}" --exclude $D/*.jsonl.gz --out "$S/gpu_new.jsonl.gz" \
