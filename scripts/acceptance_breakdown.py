@@ -1,7 +1,8 @@
 """Where greedy acceptance comes from: every draft of greedy SPD runs over the held-out prompts is
 recorded, and the verified ones are counted by category, answer-position window, whether the output
 token closes a 4-gram seen earlier in the answer (looping or copied text), and whether the context
-lookup or the PDM made the draft. The recorded totals are checked against the engine's own counts.
+lookup or the PDM made the draft, and the fill it was made at (tokens in flight: 1 right after a
+reject, n in the steady state). The recorded totals are checked against the engine's own counts.
 
     .venv/bin/python scripts/acceptance_breakdown.py --limit 20 --max-new-tokens 512 \
         --out bench/results/acceptance_breakdown_512
@@ -18,7 +19,8 @@ from pathlib import Path
 WINDOWS = ("answer tokens 1-63", "answer tokens 64-127", "answer tokens 128-255", "answer tokens 256+")
 ORDER = ("overall", "chat", "math", "code", *WINDOWS, "new 4-gram", "repeated 4-gram", "PDM draft", "lookup draft",
          *(f"{w} / new 4-gram" for w in WINDOWS), *(f"{d} / {t}" for d in ("PDM draft", "lookup draft")
-                                                  for t in ("new 4-gram", "repeated 4-gram")))
+                                                  for t in ("new 4-gram", "repeated 4-gram")),
+         *(f"fill {f}" for f in range(1, 65)))
 
 
 def main() -> int:

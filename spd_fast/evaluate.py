@@ -238,13 +238,14 @@ def window_label(a: int) -> str:
 
 
 class _RecordingDrafter:
-    """Wraps an engine's drafter and records every draft: (position, token, context, lookup fired). The
-    lookup fired when the k newest tokens matched earlier and the draft is the copied token (a head's
-    lookup gate may keep the PDM's own draft over a match)."""
+    """Wraps an engine's drafter and records every draft: (position, token, context, lookup fired, fill).
+    The lookup fired when the k newest tokens matched earlier and the draft is the copied token (a head's
+    lookup gate may keep the PDM's own draft over a match); fill is the number of tokens in flight,
+    the newest included, when the draft was made (n in the steady state, 1 right after a reject)."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.rows: list[tuple[int, int, torch.Tensor, bool]] = []
+        self.rows: list[tuple[int, int, torch.Tensor, bool, int]] = []
         self.prompt: list[int] = []
 
     def __getattr__(self, name):
@@ -264,17 +265,18 @@ class _RecordingDrafter:
         if k and p >= k:
             found, copied = lookup_next(st.tokens[:p + 1], st.p_new, k)
             fired = bool(found) and int(copied) == int(tok)
-        self.rows.append((p + 1, int(tok), st.tokens[:p + 1].clone(), fired))
+        self.rows.append((p + 1, int(tok), st.tokens[:p + 1].clone(), fired, int(st.fill)))
         return tok, q
 
 
-def classify_verified(rows: Sequence[tuple[int, int, torch.Tensor, bool]], full: Sequence[int], prompt_len: int,
+def classify_verified(rows: Sequence[tuple], full: Sequence[int], prompt_len: int,
                       k: int = REPEAT_K) -> list[dict[str, Any]]:
     """The verified drafts of one greedy SPD run and their classes. A draft is verified exactly when it was
     made in the right context (every token before it is in the final output) and its position holds an
     output token; it was accepted iff it equals that token (temperature 0). Classes: the answer-position
     window, whether the output token closes a k-gram seen earlier in the answer (repeat_share's rule),
-    and whether the context lookup made the draft."""
+    whether the context lookup made the draft, and the fill it was made at (None where a row does not
+    carry one)."""
     full_t = torch.tensor(list(full))
     seen: set[tuple[int, ...]] = set()
     repeated = {}
@@ -283,11 +285,11 @@ def classify_verified(rows: Sequence[tuple[int, int, torch.Tensor, bool]], full:
         repeated[j] = g in seen
         seen.add(g)
     out = []
-    for pos, tok, ctx, fired in rows:
+    for pos, tok, ctx, fired, *fill in rows:
         if pos >= len(full) or pos < prompt_len + 1 or not torch.equal(ctx, full_t[:pos]):
             continue
         out.append({"pos": pos, "accepted": tok == full[pos], "window": window_label(pos - prompt_len),
-                    "repeated": repeated.get(pos, False), "lookup": fired})
+                    "repeated": repeated.get(pos, False), "lookup": fired, "fill": fill[0] if fill else None})
     return out
 
 
@@ -296,7 +298,8 @@ def acceptance_breakdown(engine, prompts: dict[str, list[dict]], max_new_tokens:
     """Greedy SPD over `prompts` (category -> records) with `engine` (spd_fast.load), recording every
     draft; returns verified/accepted counts per category and class (see classify_verified), and the
     engine's own counts, which the recorded ones must equal. Keys "A / B" count the drafts in both classes
-    (answer window or drafter, by repeated or new 4-gram)."""
+    (answer window or drafter, by repeated or new 4-gram); "fill f" the drafts made with f tokens in flight
+    (f < n: the warm-up after a reject, where more of the context is at full depth)."""
     spd = engine.spd
     rec = _RecordingDrafter(spd.drafter)
     spd.drafter = rec
@@ -321,7 +324,7 @@ def acceptance_breakdown(engine, prompts: dict[str, list[dict]], max_new_tokens:
                     text = "repeated 4-gram" if v["repeated"] else "new 4-gram"
                     drafter = "lookup draft" if v["lookup"] else "PDM draft"
                     for key in ("overall", cat, v["window"], text, drafter, f"{v['window']} / {text}",
-                                f"{drafter} / {text}"):
+                                f"{drafter} / {text}", f"fill {v['fill']}"):
                         add(key, v["accepted"])
     finally:
         spd.drafter = rec.inner

@@ -10,15 +10,15 @@ def test_classify_verified_rules():
     P = 2
     full = [9, 9, 1, 2, 1, 2, 1, 2]      # answer 1 2 1 2 1 2: the 4-gram closed at position 7 was seen at 5
     t = torch.tensor(full)
-    rows = [(3, 2, t[:3], False),         # right context, accepted
-            (4, 7, t[:4], True),          # right context, rejected, made by the lookup
+    rows = [(3, 2, t[:3], False, 3),      # right context, accepted, steady state
+            (4, 7, t[:4], True),          # right context, rejected, made by the lookup (no fill recorded)
             (5, 1, torch.tensor([9, 9, 1, 2, 5]), False),   # wrong context: flushed, never verified
-            (7, 2, t[:7], False),         # right context, accepted, closes a repeated 4-gram
+            (7, 2, t[:7], False, 1),      # right context, accepted, closes a repeated 4-gram, after a reject
             (8, 1, t[:8], False),         # beyond the output: never verified
             (2, 1, t[:2], False)]         # the prefill's exact token needs no draft
     got = classify_verified(rows, full, P)
-    assert [(v["pos"], v["accepted"], v["repeated"], v["lookup"]) for v in got] == [
-        (3, True, False, False), (4, False, False, True), (7, True, True, False)]
+    assert [(v["pos"], v["accepted"], v["repeated"], v["lookup"], v["fill"]) for v in got] == [
+        (3, True, False, False, 3), (4, False, False, True, None), (7, True, True, False, 1)]
     assert [window_label(a) for a in (1, 63, 64, 127, 128, 255, 256, 4000)] == [
         "answer tokens 1-63", "answer tokens 1-63", "answer tokens 64-127", "answer tokens 64-127",
         "answer tokens 128-255", "answer tokens 128-255", "answer tokens 256+", "answer tokens 256+"]
@@ -36,13 +36,18 @@ def test_breakdown_counts_equal_the_engines(default_target):
                                                                     res["engine"]["accepted"])
     assert c["overall"]["verified"] > 40
     for parts in (("chat", "code"), ("new 4-gram", "repeated 4-gram"), ("PDM draft", "lookup draft"),
-                  ("answer tokens 1-63", "answer tokens 64-127")):
+                  ("answer tokens 1-63", "answer tokens 64-127"), ("fill 1", "fill 2", "fill 3")):
         assert sum(c[k]["verified"] for k in parts if k in c) == c["overall"]["verified"], parts
         assert sum(c[k]["accepted"] for k in parts if k in c) == c["overall"]["accepted"], parts
     for cross in (("PDM draft / new 4-gram", "PDM draft / repeated 4-gram", "lookup draft / new 4-gram",
                    "lookup draft / repeated 4-gram"),):
         assert sum(c[k]["verified"] for k in cross if k in c) == c["overall"]["verified"]
     assert c["lookup draft"]["verified"] > 0                 # the repeating prompt makes the lookup fire
+    # fill-1 drafts come first after each prompt's prefill and after every reject; each is verified unless
+    # its answer ended first, which can happen to at most one per prompt (the last one made)
+    rejects = c["overall"]["verified"] - c["overall"]["accepted"]
+    assert rejects <= c["fill 1"]["verified"] <= rejects + len(prompts)
+    assert c["fill 3"]["verified"] > 0
 
 
 def test_recorder_counts_a_gated_match_as_a_pdm_draft(tiny_checkpoint):
@@ -68,8 +73,8 @@ def test_recorder_counts_a_gated_match_as_a_pdm_draft(tiny_checkpoint):
         h.dcfg = dataclasses.replace(head.dcfg, lookup_gate_confidence=gate[0], lookup_gate_ratio=gate[1])
         rec = _RecordingDrafter(PdmDrafter(h, lookup=1))
         SPDEngine(m, rec, b).run([5, 17, 3, 9, 5, 17, 3, 9], 40, SamplingParams(), [])
-        matched = [bool(lookup_next(ctx, torch.tensor(len(ctx) - 1), 1)[0]) for _, _, ctx, _ in rec.rows]
-        fired = [f for *_, f in rec.rows]
+        matched = [bool(lookup_next(ctx, torch.tensor(len(ctx) - 1), 1)[0]) for _, _, ctx, *_ in rec.rows]
+        fired = [f for _, _, _, f, _ in rec.rows]
         counts[gate] = (sum(matched), sum(fired))
     assert counts[(1.0, 0.0)][0] == counts[(1.0, 0.0)][1] > 0      # ungated: every match is copied
     assert counts[(0.0, 1.0)][1] < counts[(0.0, 1.0)][0]            # gated: some matches are the PDM's drafts

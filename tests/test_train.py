@@ -898,3 +898,100 @@ def test_extend_draft_vocab_keeps_the_old_drafts_and_names_bad_input(tiny_checkp
     cfg = json.loads((tmp_path / "trained" / "draft_config.json").read_text())
     (tmp_path / "trained" / "draft_config.json").write_text(json.dumps(dict(cfg, frozen_lm_head=False)))
     assert "extend only heads with a frozen LM head" in run(tmp_path / "trained", tmp_path / "d").stderr
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_validate_at_a_fill_scores_that_depth_pattern_and_names_bad_fills(tiny_checkpoint, tmp_path):
+    m, data, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
+    tr = PdmTrainer(m, load_draft(tmp_path / "a" / "head", m, "tiny").float(), TrainConfig(max_seq_len=64))
+    b = collate(data, 64)
+    with torch.no_grad():
+        by_fill = {f: tr.loss(*b, fill=f)[1] for f in (None, 1, 2)}
+    for f, want in by_fill.items():
+        got = tr.validate(data, batch_size=len(data), fill=f)
+        assert got["val_top1"] == pytest.approx(want["top1"], abs=1e-9), f
+        assert got["val_loss"] == pytest.approx(want["loss"], rel=1e-6), f
+    # the fills see different keys, so the head's distributions (and KL) differ between them
+    assert len({round(st["loss"], 6) for st in by_fill.values()}) == 3
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=rf"fill {bad} is out of range for an n=3 head: pass 1..2, or None"):
+            tr.validate(data, fill=bad)
+
+
+def test_probe_head_limits_prints_and_writes_each_file_and_fill(tiny_checkpoint, tmp_path, capsys):
+    from spd_fast.runtime import weights_fingerprint
+
+    ckpt = tiny_checkpoint("llama")
+    m, data, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
+    head = tmp_path / "a" / "head"
+    cfg = json.loads((head / "draft_config.json").read_text())
+    (head / "draft_config.json").write_text(json.dumps(dict(cfg, base_fingerprint=weights_fingerprint(m))))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(s) + "\n" for s in data[:5]))
+    probe = _script("probe_head_limits")
+    rc = probe.main([str(head), "--model", ckpt, "--val", str(val), "--fills", "full,1", "--limit", "4",
+                     "--max-seq-len", "64", "--out", str(tmp_path / "l.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| file | fill | top-1 | top-1, answer tokens 0-63 | rows |" in out
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]
+    assert [(r["fill"], r["samples"]) for r in rows] == [("full", 4), (1, 4)]
+    tr = PdmTrainer(m, load_draft(head, m, weights_fingerprint(m)).float(), TrainConfig(max_seq_len=64))
+    assert rows[1]["top1"] == pytest.approx(tr.validate(data[:4], fill=1)["val_top1"], abs=1e-9)
+    assert f"| val.jsonl | 1 | {rows[1]['top1']:.4f} |" in out
+    # errors name the problem and the fix
+    assert probe.main([str(head), "--model", ckpt]) == 2
+    assert "pass the answers to score with --val FILE" in capsys.readouterr().err
+    assert probe.main([str(head), "--model", ckpt, "--val", str(val), "--fills", "3"]) == 2
+    assert "--fills 3 is out of range for this n=3 head: use full or 1..2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main([str(head), "--val", str(val), "--fills", "full,x"])
+    assert "expected 'full' or a fill count per comma-separated item, got 'x'" in capsys.readouterr().err
+
+
+def test_average_heads_interpolates_the_weights_and_refuses_heads_of_another_shape(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    m, _, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
+    a = tmp_path / "a" / "head"
+    shutil.copytree(a, tmp_path / "b")
+    sa = load_file(str(a / "draft.safetensors"))
+    sb = {k: (v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype)
+              if v.is_floating_point() else v) for k, v in sa.items()}
+    save_file(sb, str(tmp_path / "b" / "draft.safetensors"))
+    avg = _script("average_heads")
+
+    def run(w, out):
+        assert avg.main([str(a), str(tmp_path / "b"), str(tmp_path / out), "--weight", str(w)]) == 0
+        return load_file(str(tmp_path / out / "draft.safetensors"))
+
+    s0, s1, s_half = run(0, "w0"), run(1, "w1"), run(0.5, "w5")
+    for k, v in sa.items():
+        assert torch.equal(s0[k], v) and torch.equal(s1[k], sb[k]), k
+        if v.is_floating_point():
+            assert torch.equal(s_half[k], ((v.float() + sb[k].float()) / 2).to(v.dtype)), k
+    assert not all(torch.equal(s_half[k], sa[k]) for k in sa)
+    loaded = load_draft(tmp_path / "w5", m, "tiny")  # a loadable head with A's config
+    assert loaded.dcfg == load_draft(a, m, "tiny").dcfg
+    # errors name the problem and the fix
+    with pytest.raises(SystemExit, match=r"--weight 1.5 must lie in \[0, 1\]"):
+        avg.main([str(a), str(tmp_path / "b"), str(tmp_path / "x"), "--weight", "1.5"])
+    cfg = json.loads((tmp_path / "b" / "draft_config.json").read_text())
+    (tmp_path / "b" / "draft_config.json").write_text(json.dumps(dict(cfg, num_layers=cfg["num_layers"] + 1)))
+    with pytest.raises(SystemExit, match=r"the heads differ in num_layers .* only heads of the same shape"):
+        avg.main([str(a), str(tmp_path / "b"), str(tmp_path / "x")])
+    (tmp_path / "b" / "draft_config.json").write_text(json.dumps(cfg))
+    vocab = sb["draft_vocab"].clone()
+    vocab[[0, 1]] = vocab[[1, 0]]
+    save_file(dict(sb, draft_vocab=vocab), str(tmp_path / "b" / "draft.safetensors"))
+    with pytest.raises(SystemExit, match=r"tensor draft_vocab .* differs between the heads"):
+        avg.main([str(a), str(tmp_path / "b"), str(tmp_path / "x")])

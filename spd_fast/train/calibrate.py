@@ -259,6 +259,15 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def load_target_and_head(head_dir: str | Path, model: str | None = None):
+    """The target (`model`, default the embedded one) and the head saved in `head_dir`, checked against it."""
+    from ..pdm import load_draft
+    from ..runtime import load_target
+
+    target = load_target(model)
+    return target, load_draft(head_dir, target.model, target.fingerprint)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
@@ -285,14 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        from ..pdm import load_draft
-        from ..runtime import load_target
         from .data import read_val_samples
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
-        target = load_target(a.model)
-        head = load_draft(a.head, target.model, target.fingerprint)
+        target, head = load_target_and_head(a.head, a.model)
         res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
                         copy_boosts=a.copy_boosts)

@@ -263,11 +263,17 @@ class PdmTrainer:
 
     @torch.no_grad()
     def validate(self, samples: Sequence[dict], batch_size: int = 8,
-                 pos_edges: Sequence[int] = VAL_POS_EDGES) -> dict:
+                 pos_edges: Sequence[int] = VAL_POS_EDGES, fill: int | None = None) -> dict:
         """KL and top-1 agreement with the target at full fill (the steady state of the pipeline) on
         held-out samples, teacher run live; weighted by loss rows. "val_top1_by_pos" splits the
         top-1 by answer position (buckets cut at `pos_edges`, e.g. "0-63", "64-127", "256+"; empty
-        buckets left out), since a head trained on short answers loses agreement late in long ones."""
+        buckets left out), since a head trained on short answers loses agreement late in long ones.
+        `fill` in [1, n-1] scores the warm-up depth pattern instead: only the `fill` newest tokens in
+        flight, every older one committed at full depth (fill 1 is the information an EAGLE-style head
+        has: the newest token's embedding over full-depth context)."""
+        if fill is not None and not 1 <= fill < self.n:
+            raise ValueError(f"fill {fill} is out of range for an n={self.n} head: pass 1..{self.n - 1}, "
+                             "or None for full fill")
         was_training = self.head.training
         self.head.eval()
         kl = agree = rows = 0.0
@@ -276,7 +282,7 @@ class PdmTrainer:
             for i in range(0, len(samples), batch_size):
                 with self.autocast():
                     _, st = self.loss(*self.to_dev(collate(list(samples[i:i + batch_size]), self.cfg.max_seq_len)),
-                                      fill=None, pos_edges=pos_edges)
+                                      fill=fill, pos_edges=pos_edges)
                 kl += st["loss"] * st["tokens"]
                 agree += st["top1"] * st["tokens"]
                 rows += st["tokens"]
