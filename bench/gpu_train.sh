@@ -24,6 +24,7 @@ GEN_BATCH=${GEN_BATCH:-1024}
 SEEDS=${SEEDS:-human:43 default:44}   # mix:seed pairs, one prompt writer each, GEN_S shared between them
 NUM_STAGES=${NUM_STAGES:-3}
 DRAFT_LAYERS=${DRAFT_LAYERS:-3}
+TRAIN_FLAGS=${TRAIN_FLAGS:-}  # more spd_fast.train flags, e.g. --fill-after-miss
 DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PY=.venv/bin/python with small GEN_S/TRAIN_S/GEN_BATCH: a dry run here
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 SPD_FAST_CACHE=/root/spd_cache
@@ -74,7 +75,7 @@ say "data: ${DATA[*]}"
 timeout $(( TRAIN_S + 120 )) $PY -m spd_fast.train --model "$S/model.gguf" --device "$DEVICE" --dtype bfloat16 --bf16 \
     --out "$S/run" --init "$S/init" --num-stages "$NUM_STAGES" --draft-layers "$DRAFT_LAYERS" --draft-vocab 16384 "${DATA[@]}" \
     --val $D/val_long_s21_256.jsonl.gz --val-limit 80 --steps 100000 --lr "$LR" --warmup 50 \
-    --batch-tokens "$BATCH_TOKENS" --save-every 100 --time-budget "$TRAIN_S" --no-feature-cache --threads 8 \
+    --batch-tokens "$BATCH_TOKENS" --save-every 100 --time-budget "$TRAIN_S" --no-feature-cache --threads 8 $TRAIN_FLAGS \
     2>&1 | grep -v '"step": [0-9]*[1-9]0, "epoch"' | tail -n 40
 say "training finished (rc ${PIPESTATUS[0]})"
 

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=80, help="score the first LIMIT samples of each file (default 80)")
     ap.add_argument("--fills", type=_fills, default=[None], help="'full' and/or fill counts 1..n-1 (default full)")
     ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--after-miss", action="store_true",
+                    help="score each fill f < n only on rows that follow a miss of the head f tokens back, as the "
+                         "pipeline's refills after a reject do (full fill scores every row)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", help="also write the figures as JSON here")
     a = ap.parse_args(argv)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [f for f in a.fills if f is not None and not 1 <= f < n]
         if bad:
             raise SpdConfigError(f"--fills {bad[0]} is out of range for this n={n} head: use full or 1..{n - 1}")
-        tr = PdmTrainer(target.model, head, TrainConfig(max_seq_len=a.max_seq_len))
+        tr = PdmTrainer(target.model, head, TrainConfig(max_seq_len=a.max_seq_len, fill_after_miss=a.after_miss))
         rows = []
         print("| file | fill | top-1 | top-1, answer tokens 0-63 | rows |\n|---|---|---|---|---|")
         for f in a.val:
@@ -73,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             for fill in a.fills:
                 v = tr.validate(samples, pos_edges=(64,), fill=fill)
                 row = {"file": f, "fill": "full" if fill is None else fill, "samples": len(samples),
+                       "after_miss": bool(a.after_miss and fill is not None),
                        "top1": v["val_top1"], "top1_0_63": v["val_top1_by_pos"].get("0-63"), "rows": v["val_tokens"]}
                 rows.append(row)
                 w = "-" if row["top1_0_63"] is None else f"{row['top1_0_63']:.4f}"
-                print(f"| {Path(f).name} | {row['fill']} | {row['top1']:.4f} | {w} | {int(row['rows'])} |", flush=True)
+                label = f"{row['fill']}, after a miss" if row["after_miss"] else row["fill"]
+                print(f"| {Path(f).name} | {label} | {row['top1']:.4f} | {w} | {int(row['rows'])} |", flush=True)
     except SpdConfigError as e:
         print(f"probe_head_limits: error: {e}", file=sys.stderr)
         return 2

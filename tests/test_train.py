@@ -995,3 +995,30 @@ def test_average_heads_interpolates_the_weights_and_refuses_heads_of_another_sha
     save_file(dict(sb, draft_vocab=vocab), str(tmp_path / "b" / "draft.safetensors"))
     with pytest.raises(SystemExit, match=r"tensor draft_vocab .* differs between the heads"):
         avg.main([str(a), str(tmp_path / "b"), str(tmp_path / "x")])
+
+
+def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_checkpoint, tmp_path):
+    """Fill-f rows after a miss: row t is kept iff it is a loss row and the head's full-fill draft of token
+    t - f + 1 (row t - f, itself a loss row) missed the target's token; checked row by row, sample by sample."""
+    m, data, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
+    head = load_draft(tmp_path / "a" / "head", m, "tiny").float()
+    tr = PdmTrainer(m, head, TrainConfig(max_seq_len=64))
+    ids, lens, loss_mask = collate(data[:6], 64)
+    T = ids.shape[1]
+    with torch.no_grad():
+        anchors, _, t_arg = tr.teacher(ids, lens)
+        sel = (loss_mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
+        full, _ = tr.student_logits(anchors, lens, None, sel)
+    drafted = dict(zip(sel.tolist(), head.draft_vocab[full.argmax(-1)].tolist()))
+    flat = t_arg.reshape(-1).tolist()
+    for fill in (1, 2):
+        want = [r for r in sel.tolist() if r % T >= fill and r - fill in drafted and drafted[r - fill] != flat[r - fill]]
+        got = tr.rows_after_miss(anchors, lens, sel, fill, t_arg).tolist()
+        assert got == want and 0 < len(want) < sel.numel(), fill
+    # the loss then counts only those rows at a fill, every row at full fill
+    cfg = TrainConfig(max_seq_len=64, fill_after_miss=True)
+    tr2 = PdmTrainer(m, head, cfg)
+    with torch.no_grad():
+        n_full = tr2.loss(ids, lens, loss_mask, fill=None)[1]["tokens"]
+        n_one = tr2.loss(ids, lens, loss_mask, fill=1)[1]["tokens"]
+    assert n_full == sel.numel() and n_one == len(tr.rows_after_miss(anchors, lens, sel, 1, t_arg))

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--fill-aug", type=float, default=0.5)
+    p.add_argument("--fill-after-miss", action="store_true",
+                   help="train the fill-augmented steps only on rows that follow a miss of the head's own, "
+                        "as the pipeline's refills after a reject do (default: rows at every position)")
     p.add_argument("--argmax-weight", type=float, default=0.0,
                    help="add this times the cross-entropy on the target's argmax token to the KL loss "
                         "(weights greedy agreement above matching the whole distribution)")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.epochs > 0:
             steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))
         cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
-                          max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, seed=a.seed, bf16=a.bf16,
+                          max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, fill_after_miss=a.fill_after_miss,
+                          seed=a.seed, bf16=a.bf16,
                           save_every=a.save_every, weight_decay=a.weight_decay,
                           argmax_weight=a.argmax_weight, time_budget=a.time_budget)
         t0 = time.perf_counter()

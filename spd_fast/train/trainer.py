@@ -38,6 +38,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     argmax_weight: float = 0.0      # adds this times the cross-entropy on the target's argmax (greedy acceptance)
     fill_aug: float = 0.5           # probability of a step with a random fill f in [1, n-1]
+    fill_after_miss: bool = False   # fill-f rows only where the head missed the token f back (as after a reject)
     seed: int = 0
     bf16: bool = False              # autocast the head (and teacher) to bf16
     save_every: int = 100
@@ -185,6 +186,8 @@ class PdmTrainer:
         # loss rows: assistant positions whose target argmax lies in the draft vocabulary; the LM
         # head, the softmaxes and the KL run on these rows only
         sel = (loss_mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
+        if fill is not None and self.cfg.fill_after_miss:
+            sel = self.rows_after_miss(anchors, lens, sel, fill, t_arg)
         if cached is None:
             t_logp = t_logp_all.reshape(B * T, -1)[sel]
         else:
@@ -215,6 +218,19 @@ class PdmTrainer:
             hits = torch.bincount(bucket, weights=ok.double(), minlength=k).long().tolist()
             stats["by_pos"] = list(zip(hits, torch.bincount(bucket, minlength=k).tolist()))
         return loss, stats
+
+    @torch.no_grad()
+    def rows_after_miss(self, anchors: list[torch.Tensor], lens: torch.Tensor, sel: torch.Tensor, fill: int,
+                        t_arg: torch.Tensor) -> torch.Tensor:
+        """The loss rows `sel` (flat b * T + t) that the pipeline drafts at `fill` right after a reject: at
+        fill f the oldest in-flight token, t - f + 1, is the target's correction, so the head's full-fill
+        draft of it (row t - f) missed. Fill augmentation otherwise draws fill-f rows at any position,
+        where the head does better than after its own misses."""
+        T = anchors[0].shape[1]
+        logits, _ = self.student_logits(anchors, lens, None, sel)
+        miss = torch.zeros(t_arg.numel(), dtype=torch.bool, device=sel.device)
+        miss[sel] = self.head.draft_vocab[logits.argmax(-1)] != t_arg.reshape(-1)[sel]
+        return sel[(sel % T >= fill) & miss[(sel - fill).clamp_min(0)]]
 
     def student_logits(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
                        sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
