@@ -19,8 +19,7 @@ from pathlib import Path
 WINDOWS = ("answer tokens 1-63", "answer tokens 64-127", "answer tokens 128-255", "answer tokens 256+")
 ORDER = ("overall", "chat", "math", "code", *WINDOWS, "new 4-gram", "repeated 4-gram", "PDM draft", "lookup draft",
          *(f"{w} / new 4-gram" for w in WINDOWS), *(f"{d} / {t}" for d in ("PDM draft", "lookup draft")
-                                                  for t in ("new 4-gram", "repeated 4-gram")),
-         *(f"fill {f}" for f in range(1, 65)))
+                                                  for t in ("new 4-gram", "repeated 4-gram")))
 
 
 def main() -> int:
@@ -51,7 +50,7 @@ def main() -> int:
                    "lookup": a.lookup, "temperature": 0.0, "seconds": round(time.time() - t0, 1)}
     lines = ["| drafts | verified | accepted | acceptance | share of verified |", "|---|---|---|---|---|"]
     total = c["overall"]["verified"]
-    for k in ORDER:
+    for k in (*ORDER, *(f"fill {f}" for f in range(1, a.num_stages + 1))):
         if k in c:
             v = c[k]
             lines.append(f"| {k} | {v['verified']} | {v['accepted']} | {v['acceptance_rate']:.3f} | "

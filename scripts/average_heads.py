@@ -13,7 +13,7 @@ Session 36 measured a 50/50 soup of the shipped n=3 head and its session-35 fine
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from spd_fast.pdm import WEIGHTS_FILE, read_draft_config
 
-# what the two heads must share; calibration fields and the weights' file name may differ
-_SHAPE_FIELDS = ("num_stages", "boundaries", "anchors", "num_layers", "draft_vocab_size", "base_model_type",
-                 "base_hidden_size", "base_num_layers", "base_vocab_size", "base_fingerprint", "frozen_lm_head")
+# what may differ between the two heads: their calibration and the weights' file name; every other
+# draft_config.json field (n, anchors, layers, vocabulary size, base model, format) must match
+_FREE_FIELDS = {"draft_temperature_scale", "lookup_gate_confidence", "lookup_gate_ratio", "lookup_copy_boost",
+                "weights"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.weight <= 1.0:
         raise SystemExit(f"--weight {args.weight} must lie in [0, 1] (the share of the second head)")
     ca, cb = read_draft_config(args.a), read_draft_config(args.b)
-    for f in _SHAPE_FIELDS:
+    for f in (x.name for x in fields(ca) if x.name not in _FREE_FIELDS):
         if getattr(ca, f) != getattr(cb, f):
             raise SystemExit(f"the heads differ in {f} ({getattr(ca, f)} vs {getattr(cb, f)}); only heads of the "
                              "same shape and base model can be averaged")
@@ -47,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for k, ta in sa.items():
         tb = sb[k]
-        if ta.shape != tb.shape:
-            raise SystemExit(f"tensor {k} has shape {tuple(ta.shape)} in A and {tuple(tb.shape)} in B")
         if ta.is_floating_point():
             out[k] = torch.lerp(ta.float(), tb.float(), args.weight).to(ta.dtype)
         elif torch.equal(ta, tb):

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
-    ap.add_argument("--val", action="append", default=[], help="answers to score (.jsonl/.jsonl.gz/...); repeatable")
+    ap.add_argument("--val", action="append", required=True, help="answers to score (.jsonl/.jsonl.gz/...); repeatable")
     ap.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--limit", type=int, default=80, help="score the first LIMIT samples of each file (default 80)")
     ap.add_argument("--fills", type=_fills, default=[None], help="'full' and/or fill counts 1..n-1 (default full)")
@@ -59,11 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", help="also write the figures as JSON here")
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads or torch.get_num_threads())
     try:
-        if not a.val:
-            raise SpdConfigError("pass the answers to score with --val FILE")
-        target, head = load_target_and_head(a.head, a.model)
+        target, head = load_target_and_head(a.head, a.model, a.threads)
         head, n = head.float(), head.dcfg.num_stages
         bad = [f for f in a.fills if f is not None and not 1 <= f < n]
         if bad:

@@ -269,14 +269,13 @@ class _RecordingDrafter:
         return tok, q
 
 
-def classify_verified(rows: Sequence[tuple], full: Sequence[int], prompt_len: int,
-                      k: int = REPEAT_K) -> list[dict[str, Any]]:
+def classify_verified(rows: Sequence[tuple[int, int, torch.Tensor, bool, int]], full: Sequence[int],
+                      prompt_len: int, k: int = REPEAT_K) -> list[dict[str, Any]]:
     """The verified drafts of one greedy SPD run and their classes. A draft is verified exactly when it was
     made in the right context (every token before it is in the final output) and its position holds an
     output token; it was accepted iff it equals that token (temperature 0). Classes: the answer-position
     window, whether the output token closes a k-gram seen earlier in the answer (repeat_share's rule),
-    whether the context lookup made the draft, and the fill it was made at (None where a row does not
-    carry one)."""
+    whether the context lookup made the draft, and the fill it was made at."""
     full_t = torch.tensor(list(full))
     seen: set[tuple[int, ...]] = set()
     repeated = {}
@@ -285,11 +284,11 @@ def classify_verified(rows: Sequence[tuple], full: Sequence[int], prompt_len: in
         repeated[j] = g in seen
         seen.add(g)
     out = []
-    for pos, tok, ctx, fired, *fill in rows:
+    for pos, tok, ctx, fired, fill in rows:
         if pos >= len(full) or pos < prompt_len + 1 or not torch.equal(ctx, full_t[:pos]):
             continue
         out.append({"pos": pos, "accepted": tok == full[pos], "window": window_label(pos - prompt_len),
-                    "repeated": repeated.get(pos, False), "lookup": fired, "fill": fill[0] if fill else None})
+                    "repeated": repeated.get(pos, False), "lookup": fired, "fill": fill})
     return out
 
 

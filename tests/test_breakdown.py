@@ -11,14 +11,14 @@ def test_classify_verified_rules():
     full = [9, 9, 1, 2, 1, 2, 1, 2]      # answer 1 2 1 2 1 2: the 4-gram closed at position 7 was seen at 5
     t = torch.tensor(full)
     rows = [(3, 2, t[:3], False, 3),      # right context, accepted, steady state
-            (4, 7, t[:4], True),          # right context, rejected, made by the lookup (no fill recorded)
-            (5, 1, torch.tensor([9, 9, 1, 2, 5]), False),   # wrong context: flushed, never verified
+            (4, 7, t[:4], True, 3),       # right context, rejected, made by the lookup
+            (5, 1, torch.tensor([9, 9, 1, 2, 5]), False, 1),   # wrong context: flushed, never verified
             (7, 2, t[:7], False, 1),      # right context, accepted, closes a repeated 4-gram, after a reject
-            (8, 1, t[:8], False),         # beyond the output: never verified
-            (2, 1, t[:2], False)]         # the prefill's exact token needs no draft
+            (8, 1, t[:8], False, 2),      # beyond the output: never verified
+            (2, 1, t[:2], False, 1)]      # the prefill's exact token needs no draft
     got = classify_verified(rows, full, P)
     assert [(v["pos"], v["accepted"], v["repeated"], v["lookup"], v["fill"]) for v in got] == [
-        (3, True, False, False, 3), (4, False, False, True, None), (7, True, True, False, 1)]
+        (3, True, False, False, 3), (4, False, False, True, 3), (7, True, True, False, 1)]
     assert [window_label(a) for a in (1, 63, 64, 127, 128, 255, 256, 4000)] == [
         "answer tokens 1-63", "answer tokens 1-63", "answer tokens 64-127", "answer tokens 64-127",
         "answer tokens 128-255", "answer tokens 128-255", "answer tokens 256+", "answer tokens 256+"]

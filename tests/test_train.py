@@ -947,8 +947,9 @@ def test_probe_head_limits_prints_and_writes_each_file_and_fill(tiny_checkpoint,
     assert rows[1]["top1"] == pytest.approx(tr.validate(data[:4], fill=1)["val_top1"], abs=1e-9)
     assert f"| val.jsonl | 1 | {rows[1]['top1']:.4f} |" in out
     # errors name the problem and the fix
-    assert probe.main([str(head), "--model", ckpt]) == 2
-    assert "pass the answers to score with --val FILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main([str(head), "--model", ckpt])
+    assert "the following arguments are required: --val" in capsys.readouterr().err
     assert probe.main([str(head), "--model", ckpt, "--val", str(val), "--fills", "3"]) == 2
     assert "--fills 3 is out of range for this n=3 head: use full or 1..2" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -259,11 +259,14 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def load_target_and_head(head_dir: str | Path, model: str | None = None):
-    """The target (`model`, default the embedded one) and the head saved in `head_dir`, checked against it."""
+def load_target_and_head(head_dir: str | Path, model: str | None = None, threads: int = 0):
+    """The target (`model`, default the embedded one) and the head saved in `head_dir`, checked against it,
+    for a teacher-forced scoring run on `threads` CPU threads (0: torch's default)."""
     from ..pdm import load_draft
     from ..runtime import load_target
 
+    if threads:
+        torch.set_num_threads(threads)
     target = load_target(model)
     return target, load_draft(head_dir, target.model, target.fingerprint)
 
@@ -291,14 +294,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="store the best scale (and lookup gate) in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     try:
         from .data import read_val_samples
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
-        target, head = load_target_and_head(a.head, a.model)
+        target, head = load_target_and_head(a.head, a.model, a.threads)
         res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
                         copy_boosts=a.copy_boosts)
