@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .ar import ArDecoder, check_max_new_tokens
+from .ar import ArDecoder, check_capacity, check_max_new_tokens
 from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, uniform_boundaries,
                      validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
@@ -58,6 +58,7 @@ class Engine:
         self.target, self.head, self.boundaries = target, head, boundaries
         self.num_stages = len(boundaries) - 1
         self.max_len = max_len
+        self._generation = 0  # counts started generations: one KV cache serves them one at a time
         self.draft_source = draft_source
         self.placement = placement
         target.model.setup_caches(1, max_len)
@@ -75,6 +76,22 @@ class Engine:
 
     # -- one prompt -------------------------------------------------------------------------------
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
+                ) -> Iterator[int]:
+        """The decode of one prompt, refusing to go on once another generation has reused the caches: the
+        engine has one KV cache (and one PDM cache), so an open stream() whose consumer meanwhile ran
+        another generate() or stream() on this engine would otherwise continue from the other's state."""
+        self._generation += 1
+        mine = self._generation
+        for t in self._decode(prompt_ids, max_new_tokens, params, method):
+            yield t
+            if self._generation != mine:
+                raise SpdConfigError(
+                    "another generate() or stream() ran on this engine while this stream was open and reused its "
+                    "KV cache, so this stream cannot go on; finish (or close) a stream before starting another "
+                    "generation on the same engine, or load a second engine with spd_fast.load() for the other")
+
+    @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
+    def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
         gen = make_generator(params, self.target.model.device)
         if method == "ar":
@@ -103,6 +120,8 @@ class Engine:
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
         encoded = [self.target.encode(p) for p in prompts]  # a bad prompt fails before any decoding
+        for ids in encoded:
+            self._check_fits(ids, max_new_tokens, method)
         outs = []
         for ids in encoded:
             toks = list(self._tokens(ids, max_new_tokens, params, method))
@@ -119,7 +138,17 @@ class Engine:
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
         _check_single(prompt)
-        return self._stream(self.target.encode(prompt), max_new_tokens, params, method)
+        ids = self.target.encode(prompt)
+        self._check_fits(ids, max_new_tokens, method)
+        return self._stream(ids, max_new_tokens, params, method)
+
+    def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
+        """The KV cache check each decoder makes when it starts, made up front for every prompt of a call."""
+        if method == "spd":
+            extra = self.num_stages + 1  # the in-flight slots
+        else:
+            extra = self.graphed_ar.lag + 2 if self.graphed_ar is not None else 0
+        check_capacity(self.target.model, len(ids), max_new_tokens, extra)
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str) -> Iterator[str]:
         toks: list[int] = []
@@ -132,6 +161,9 @@ class Engine:
             if len(text) > len(shown) and text.startswith(shown):
                 yield text[len(shown):]
             shown = text
+        text = self.target.decode(toks)  # what was held back at the end (a character cut by max_new_tokens)
+        if len(text) > len(shown) and text.startswith(shown):
+            yield text[len(shown):]
         self.last_metrics = self._last[1]
 
 

@@ -72,11 +72,15 @@ def check_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, ext
 
 @torch.inference_mode()
 def prefill(model: Transformer, prompt_ids: Sequence[int]) -> torch.Tensor:
-    """Run the prompt through every layer, fill the caches; return the last position's logits [V]."""
+    """Run the prompt through every layer, fill the caches; return the last position's logits [V].
+    The final norm and LM head see the last row alone, as in `SPDEngine.start`: a many-row call may take
+    another kernel (another summation order), and a near-tie would then give AR and SPD different first
+    tokens."""
     dev = model.device
     ids = torch.tensor([list(prompt_ids)], device=dev)
     pos = torch.arange(len(prompt_ids), device=dev)[None]
-    return model(ids, pos)[0, -1]
+    h, _ = model.run_layers(model.embed_tokens(ids), pos, 0, model.cfg.num_layers)
+    return model.logits(h[:, -1])[0]
 
 
 class ArDecoder:

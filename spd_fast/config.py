@@ -69,6 +69,21 @@ class ModelConfig:
         if missing:
             raise SpdConfigError(f"the model's config.json lacks {', '.join(missing)}; it is not a complete Hugging Face "
                                  f"{model_type} config (re-export the checkpoint with transformers' save_pretrained)")
+        # settings the model code does not implement: refuse rather than load wrong logits silently
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise SpdConfigError(f"unsupported hidden_act {act!r}: spd_fast's MLP is SwiGLU with SiLU, as in Llama, "
+                                 f"SmolLM2 and Qwen; this checkpoint needs another activation")
+        if cfg.get("mlp_bias"):
+            raise SpdConfigError("unsupported mlp_bias=true: spd_fast's MLP projections have no bias; "
+                                 "this checkpoint's MLP does")
+        if model_type != "qwen2" and cfg.get("attention_bias"):
+            raise SpdConfigError(f"unsupported attention_bias=true for {model_type}: it puts a bias on the q, k, v and "
+                                 f"output projections, and spd_fast supports a q/k/v bias only (as Qwen2 has)")
+        if cfg.get("use_sliding_window"):
+            raise SpdConfigError("unsupported use_sliding_window=true: spd_fast attends over the whole context, so "
+                                 "its output would differ from the model's past the window; set it to false in "
+                                 "config.json only if the model was trained without it")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")

@@ -1,6 +1,8 @@
 """Load weights into a Transformer: Hugging Face checkpoint directories (safetensors) and GGUF files."""
 from __future__ import annotations
 
+import hashlib
+
 import json
 from pathlib import Path
 
@@ -15,10 +17,14 @@ class CheckpointError(SpdConfigError):
 
 
 def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map transformers' parameter names to ours, fusing q/k/v and gate/up."""
+    """Map transformers' parameter names to ours, fusing q/k/v and gate/up. A tensor the mapping does not
+    use (a bias or layer this runtime does not implement) is an error, not silently dropped."""
+    used: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         if name not in sd:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}; is it a complete {cfg.model_type} checkpoint?")
+        used.add(name)
         return sd[name]
 
     out: dict[str, torch.Tensor] = {
@@ -44,6 +50,12 @@ def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torc
         out[f"layers.{i}.mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
         out[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    # lm_head.weight: read above when untied, a copy of the embedding when tied; rotary inv_freq: recomputed
+    extra = sorted(k for k in sd if k not in used and k != "lm_head.weight" and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise CheckpointError(f"checkpoint has {len(extra)} tensors the {cfg.model_type} layout of spd_fast does not "
+                              f"use, e.g. {extra[:4]}: the model has biases or layers this runtime does not implement, "
+                              f"so its output would be wrong; use a standard {cfg.model_type} checkpoint")
     return out
 
 
@@ -80,8 +92,25 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     return build_model(cfg, _hf_to_ours(cfg, sd), dtype, device)
 
 
+def fingerprint_tensors(embed: torch.Tensor, norm: torch.Tensor, last_w_down: torch.Tensor,
+                        first_wqkv: torch.Tensor) -> str:
+    """A cheap identity of a model's weights: hash of a few strided slices of the embedding, the final norm,
+    the last layer's MLP down projection and the first layer's fused QKV, rounded to bf16 so that the same
+    checkpoint stored in fp32 or bf16 gives the same value. Draft heads record it (`base_fingerprint`);
+    `build_model` keeps the value of the tensors it was given as `source_fingerprint`, before its cast."""
+    h = hashlib.sha256()
+    for t in (embed, norm, last_w_down, first_wqkv):
+        flat = t.detach().reshape(-1)
+        h.update(flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str | torch.device) -> Transformer:
+    # the identity of the weights as stored, before the cast: an fp16 load is the same model for a draft head
+    fingerprint = fingerprint_tensors(sd["embed.weight"], sd["norm.weight"],
+                                      sd[f"layers.{cfg.num_layers - 1}.mlp.w_down.weight"],
+                                      sd["layers.0.attn.wqkv.weight"]) if "embed.weight" in sd else None
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device)
@@ -95,4 +124,5 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
         model.lm_head.weight = model.embed.weight
     model.to(dtype)
     model.eval().requires_grad_(False)
+    model.source_fingerprint = fingerprint
     return model

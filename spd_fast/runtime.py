@@ -1,7 +1,6 @@
 """A loaded target model: weights, tokenizer, EOS ids and identity, plus prompt encoding."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from .config import ModelConfig, SpdConfigError
-from .loading import load_hf_dir
+from .loading import fingerprint_tensors, load_hf_dir
 from .model import Transformer
 from .store import resolve_model_dir
 
@@ -101,14 +100,10 @@ def cpu_name(cpuinfo: str | None = None) -> str:
 
 
 def weights_fingerprint(model: Transformer) -> str:
-    """A cheap identity of the weights: hash of a few strided slices of tensors at both ends,
-    rounded to bf16 so the same checkpoint loaded in fp32 or bf16 has the same fingerprint."""
-    h = hashlib.sha256()
-    for t in (model.embed.weight, model.norm.weight, model.layers[-1].mlp.w_down.weight,
-              model.layers[0].attn.wqkv.weight):
-        flat = t.detach().reshape(-1)
-        h.update(flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    """`loading.fingerprint_tensors` of a model's weights as they are now (`load_target` uses the value of the
+    checkpoint as stored, before any dtype cast)."""
+    return fingerprint_tensors(model.embed.weight, model.norm.weight, model.layers[-1].mlp.w_down.weight,
+                               model.layers[0].attn.wqkv.weight)
 
 
 def _eos_ids(path: Path, cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -136,7 +131,10 @@ def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise SpdConfigError(f"cannot load the tokenizer from {path} ({e}); the directory needs tokenizer files") from e
-    return Target(net, tok, path, _eos_ids(path, net.cfg, tok), weights_fingerprint(net))
+    # the checkpoint's own identity: a head trained on it matches whatever dtype it was loaded in (an fp16
+    # cast, rounded again to bf16 inside the hash, would differ from the fp32 or bf16 values)
+    fp = getattr(net, "source_fingerprint", None) or weights_fingerprint(net)
+    return Target(net, tok, path, _eos_ids(path, net.cfg, tok), fp)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -156,7 +154,11 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
                                      + ", ".join(repr(r) for r in CHAT_ROLES))
         if getattr(tokenizer, "chat_template", None) is None:
             raise SpdConfigError("this model's tokenizer has no chat template; pass the prompt as a plain string")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja's TemplateError: a template that refuses this message order or role
+            raise SpdConfigError(f"the model's chat template rejects these messages ({type(e).__name__}: {e}); "
+                                 f"change the messages to the order and roles it accepts, or pass a plain string") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         ids = list(ids)

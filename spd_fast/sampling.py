@@ -5,6 +5,7 @@ so SPD's rejection sampling is exact with respect to the user's own parameters.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -75,5 +76,6 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     if params.greedy:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    # seed=None: a fresh seed from the OS (torch.seed() would also reseed the caller's global generator)
+    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return g

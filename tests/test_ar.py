@@ -45,6 +45,20 @@ def test_seeded_sampling_is_reproducible_and_varies(default_target):
     assert a == b and a != c
 
 
+def test_unseeded_sampling_leaves_the_global_generator_alone():
+    """seed=None draws a fresh seed without touching torch's default generator, which the caller may have
+    seeded for its own work; two unseeded generators still differ."""
+    from spd_fast.sampling import make_generator
+
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    g1, g2 = (make_generator(SamplingParams(temperature=0.7), "cpu") for _ in range(2))
+    assert torch.equal(torch.rand(3), want)
+    assert not torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+    assert make_generator(SamplingParams(), "cpu") is None  # greedy needs none
+
+
 def test_top_k_top_p_processing():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))

@@ -74,6 +74,22 @@ def test_bench_json_several_n(capsys, tmp_path):
         assert {"acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "ms_per_cycle"} <= set(r)
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bench_exits_1_when_spd_differs_from_ar(capsys, monkeypatch, as_json):
+    """A greedy SPD run that differs from AR is a bug: exit status 1 and a warning, in table and JSON mode."""
+    import spd_fast.cli_bench as cb
+
+    rows = [{"method": "ar", "n": 1, "tokens_per_s": 10.0}, {"method": "spd", "n": 2, "identical_to_ar": False}]
+    meta = dict(prompts=1, repeats=1, max_new_tokens=4, temperature=0.0, threads=1, dtype="float32", device="cpu",
+                kernels="torch", draft="random")
+    monkeypatch.setattr(cb, "run_bench", lambda args, quiet: {"meta": meta, "rows": rows})
+    monkeypatch.setattr(cb, "bench_table", lambda rows: "table")
+    rc, out, err = run_cli(["bench", "--max-new-tokens", "4"] + (["--json"] * as_json), capsys)
+    assert rc == 1 and "greedy SPD output differs from AR; this is a bug" in err
+    rows[1]["identical_to_ar"] = True
+    assert run_cli(["bench", "--max-new-tokens", "4"] + (["--json"] * as_json), capsys)[0] == 0
+
+
 def test_eval_json_and_files(capsys, tmp_path):
     rc, out, err = run_cli(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft", "random", "--json",
                             "--out", str(tmp_path / "acc")], capsys)

@@ -309,7 +309,7 @@ def test_rank0_plan_runs_the_shipped_head_at_other_boundaries_with_a_warning(tin
 
     path = tiny_checkpoint("llama")
     m, cfg = tiny_target(path), ModelConfig.from_dir(path)
-    fp = full_weights_fingerprint(path, cfg, torch.float32)
+    fp = full_weights_fingerprint(path, cfg)
     init_from_target(DraftHead(DraftConfig.make(cfg, (0, 3, 6), fingerprint=fp), cfg, m.norm), m).save(
         tmp_path / "heads" / "tiny-n2")
     monkeypatch.setattr(spd_fast.api, "HEADS_DIR", tmp_path / "heads")

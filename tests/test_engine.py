@@ -68,6 +68,58 @@ def test_greedy_spd_equals_ar_tiny_families(tiny_checkpoint, family):
             assert got == ref, (family, n, plen)
 
 
+def test_first_token_near_tie_agrees_between_ar_and_spd(tiny_checkpoint, tmp_path):
+    """A many-row and a one-row final norm + LM head can round differently (another kernel, another summation
+    order). Two LM-head rows are tuned until the two computations of a 40-token prompt's last row disagree on
+    the argmax; AR's prefill must then still pick the first token exactly as SPD's does."""
+    import shutil
+
+    from spd_fast import cpp_ops
+    from spd_fast.packed import enable_fused_ops
+
+    if not cpp_ops.available():
+        pytest.skip("needs a C++ compiler for the fused one-row ops that make the two paths differ")
+    d0 = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d0)
+    m = tiny_target(str(d0))
+    assert enable_fused_ops(m)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (40,), generator=g).tolist()
+    x, pos = torch.tensor([ids]), torch.arange(40)[None]
+    W = m.lm_head.weight.data  # the tiny model's LM head is its own tensor, so this touches nothing else
+    with torch.inference_mode():
+        h, _ = m.run_layers(m.embed_tokens(x), pos, 0, m.cfg.num_layers)
+        hn = m.norm(h[:, -1])[0]
+    W[5] += 3.0 * hn / hn.norm()  # row 5 clearly on top, then row 7 brought within rounding of it
+    base, v = W[5].clone(), torch.randn(W.shape[1], generator=g)
+
+    def logits(d: float, many: bool) -> torch.Tensor:
+        W[7] = base + d * v
+        with torch.inference_mode():
+            if many:
+                return m(x, pos)[0, -1]
+            h, _ = m.run_layers(m.embed_tokens(x), pos, 0, m.cfg.num_layers)
+            return m.logits(h[:, -1])[0]
+
+    def crossing(many: bool) -> float:  # bisect d where row 7 overtakes row 5 in this computation
+        lo, hi = -1e-5, 1e-5
+        assert int(logits(lo, many).argmax()) == 5 and int(logits(hi, many).argmax()) == 7
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if int(logits(mid, many).argmax()) == 5 else (lo, mid)
+        return hi
+
+    c_many, c_one = crossing(True), crossing(False)
+    d = next((d for d in (c_many, c_one, (c_many + c_one) / 2)
+              if int(logits(d, True).argmax()) != int(logits(d, False).argmax())), None)
+    assert d is not None, "no near-tie found: the test no longer separates the two computations"
+    one = logits(d, False)
+    ref = decode_ar(m, ids, 6, GREEDY, []).token_ids
+    assert ref[0] == int(one.argmax())
+    for n in (2, 3):
+        assert spd(m, ids, uniform_boundaries(m.cfg.num_layers, n), 6).token_ids == ref, n
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_cycle_accounting_oracle_and_wrong(tiny_checkpoint, n):
     m = tiny_target(tiny_checkpoint("llama"))
@@ -154,3 +206,47 @@ def test_shipped_heads_for_n4_to_6_are_exact_and_draft_well(default_target, n):
     out = SPDEngine(net, PdmDrafter(head), head.dcfg.boundaries, head.dcfg.anchors).run(ids, 32, GREEDY, tg.eos_ids)
     assert out.token_ids == ar
     assert out.metrics["accepted"] >= 0.4 * out.metrics["verifications"], out.metrics
+
+
+def test_stream_text_equals_generate_text_when_the_last_character_is_cut(default_target, monkeypatch):
+    """stream() holds back an incomplete multi-byte character; when max_new_tokens cuts the answer inside one,
+    the held-back rest still comes out at the end, so the chunks join to generate()'s text."""
+    from spd_fast.api import Engine
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    tok = default_target.tokenizer
+    emoji = tok.encode("Hi 🙂🙂", add_special_tokens=False)
+    cut = next(k for k in range(1, len(emoji)) if tok.decode(emoji[:k]).endswith("\ufffd"))
+
+    def fake(ids, max_new_tokens, params, method):  # the decode, replaced by chosen tokens
+        eng._last = (False, {})
+        yield from emoji[:max_new_tokens]
+
+    monkeypatch.setattr(eng, "_tokens", fake)
+    for n in (cut, len(emoji)):
+        chunks = list(eng.stream("x", n))
+        assert "".join(chunks) == tok.decode(emoji[:n]) == eng.generate("x", n).text
+        assert all(c for c in chunks)
+    assert "".join(eng.stream("x", cut)).endswith("\ufffd")
+
+
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_an_open_stream_leaves_the_callers_grad_mode_alone(default_target, method):
+    """Between chunks the caller's own code runs: torch's inference mode must be off there (inference tensors
+    cannot be saved for backward), also after a stream is dropped half-way."""
+    from spd_fast.api import Engine
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    s = eng.stream("Once upon a time", 8, method=method)
+    for _ in s:
+        assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+    s = eng.stream("Once upon a time", 8, method=method)
+    next(s)
+    assert not torch.is_inference_mode_enabled()
+    s.close()
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0]

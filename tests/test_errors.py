@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -55,6 +56,40 @@ def test_unsupported_architecture(tiny_checkpoint, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpdConfigError, match="unsupported model_type 'gpt2'.*llama, qwen2, qwen3"):
         load_hf_dir(d)
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("llama", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu': spd_fast's MLP is SwiGLU with SiLU"),
+    ("llama", {"mlp_bias": True}, "unsupported mlp_bias=true: spd_fast's MLP projections have no bias"),
+    ("llama", {"attention_bias": True}, "unsupported attention_bias=true for llama: .* q/k/v bias only"),
+    ("qwen3", {"attention_bias": True}, "unsupported attention_bias=true for qwen3"),
+    ("qwen2", {"use_sliding_window": True}, "unsupported use_sliding_window=true: .* whole context"),
+])
+def test_config_settings_the_model_code_lacks_are_refused(tiny_checkpoint, tmp_path, family, change, message):
+    """A config setting the runtime does not implement must not load into silently wrong logits."""
+    d = tmp_path / family
+    shutil.copytree(tiny_checkpoint(family), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(SpdConfigError, match=message):
+        load_hf_dir(d)
+    (d / "config.json").write_text(json.dumps({**cfg, **{k: False for k in change if k != "hidden_act"}}))
+    if "hidden_act" not in change:
+        load_hf_dir(d)  # the same setting off loads
+
+
+def test_unused_checkpoint_tensors_are_refused(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    sd = load_file(str(d / "model.safetensors"))
+    save_file({**sd, "model.layers.1.self_attn.o_proj.bias": torch.zeros(64)}, str(d / "model.safetensors"))
+    with pytest.raises(SpdConfigError, match=r"checkpoint has 1 tensors the llama layout of spd_fast does not use, "
+                                             r"e.g. \['model.layers.1.self_attn.o_proj.bias'\]"):
+        load_hf_dir(d)
+    save_file({**sd, "model.rotary_emb.inv_freq": torch.ones(8)}, str(d / "model.safetensors"))
+    load_hf_dir(d)  # a rotary buffer is recomputed, not refused
 
 
 def test_truncated_safetensors(tiny_checkpoint, tmp_path):
@@ -181,6 +216,20 @@ def test_empty_prompts(default_target):
         encode_prompt(tok, [{"role": "banana", "content": "hi"}])
     with pytest.raises(SpdConfigError, match="prompt must be a str"):
         encode_prompt(tok, 42)
+
+
+def test_a_chat_template_that_raises_gives_a_clear_error(default_target):
+    """Templates may refuse a message order (e.g. roles that must alternate): the jinja error is named."""
+    import copy
+
+    tok = copy.copy(default_target.tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    assert encode_prompt(tok, [{"role": "user", "content": "hi"}])  # an accepted order still encodes
+    with pytest.raises(SpdConfigError, match=r"the model's chat template rejects these messages \(TemplateError: "
+                                             r"roles must alternate user/assistant\); change the messages"):
+        encode_prompt(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_num_stages_out_of_range(tiny_checkpoint):
@@ -324,3 +373,46 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     assert len(loads) == 1
     spd_fast.generate("hi", max_new_tokens=2, lookup=0)  # another engine: loaded (and the old one dropped)
     assert len(loads) == 2
+
+
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_a_stream_refuses_to_go_on_after_another_generation_reused_the_engine(default_target, method):
+    """One engine has one KV cache: a stream whose consumer ran another generation in between must stop
+    with a clear error instead of continuing from the other generation's state; the engine stays usable."""
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    ref = eng.generate("Once upon a time", 12, method=method).token_ids
+    s = eng.stream("Once upon a time", 12, method=method)
+    next(s)
+    eng.generate("The capital of France is", 3, method=method)  # a side query while the stream is open
+    with pytest.raises(SpdConfigError, match=r"another generate\(\) or stream\(\) ran on this engine while this "
+                                             r"stream was open .* load a second engine with spd_fast.load\(\)"):
+        list(s)
+    assert eng.generate("Once upon a time", 12, method=method).token_ids == ref
+    a, b2 = eng.stream("Once upon a time", 12, method=method), eng.stream("Hi", 4, method=method)
+    with pytest.raises(SpdConfigError, match="another generate"):
+        list(zip(a, b2))  # two streams consumed in turn
+    assert "".join(eng.stream("Once upon a time", 12, method=method)) == eng.target.decode(ref)
+
+
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_a_prompt_too_long_for_the_cache_fails_before_any_decoding(default_target, method, monkeypatch):
+    """generate() checks every prompt of a batch, and stream() its prompt, before decoding anything."""
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    decoded = []
+    monkeypatch.setattr(eng, "_decode", lambda *a: decoded.append(a) or iter([]))
+    long = "word " * 1100
+    slots = " + 3 in-flight slots" if method == "spd" else ""
+    with pytest.raises(SpdConfigError, match=rf"\+ max_new_tokens \(20\){re.escape(slots)} = \d+ exceeds the KV cache "
+                                             r"length 1024; shorten the prompt"):
+        eng.generate(["Once upon a time", long], 20, method=method)
+    with pytest.raises(SpdConfigError, match="exceeds the KV cache length 1024"):
+        eng.stream(long, 20, method=method)  # at the call, not at the first next()
+    assert decoded == []

@@ -160,3 +160,25 @@ def test_gguf_conversion_with_tokenizer_files_from_an_earlier_conversion(tmp_pat
     assert (out / "chat_template.jinja").read_text() == "{{ m }}"
     assert (out / "model.safetensors").stat().st_size > len("not copied")  # the converted weights, not the copy
     assert (out / "spd_fast_converted.json").is_file()
+
+
+def test_fingerprint_is_the_checkpoints_in_every_dtype(tiny_checkpoint, default_target):
+    """A draft head records the fingerprint of its target's weights; loading the same checkpoint in fp16 must
+    give the same one (a cast to fp16 and the bf16 rounding inside the hash would not), so the shipped head is
+    still found and accepted at dtype="float16"."""
+    import json
+
+    from spd_fast.api import HEADS_DIR, shipped_head
+    from spd_fast.config import ModelConfig
+    from spd_fast.distributed.partial_load import full_weights_fingerprint
+    from spd_fast.runtime import load_target, weights_fingerprint
+
+    path = tiny_checkpoint("llama")
+    fps = {d: load_target(path, d, progress=False) for d in ("float32", "bfloat16", "float16")}
+    assert len({t.fingerprint for t in fps.values()}) == 1
+    assert weights_fingerprint(fps["float16"].model) != fps["float32"].fingerprint  # what the cast alone gives
+    assert full_weights_fingerprint(path, ModelConfig.from_dir(path)) == fps["float32"].fingerprint
+    half = load_target(None, "float16", progress=False)
+    shipped = json.loads((HEADS_DIR / "smollm2-135m-instruct-n3" / "draft_config.json").read_text())
+    assert half.fingerprint == default_target.fingerprint == shipped["base_fingerprint"]
+    assert shipped_head(half, 3) == HEADS_DIR / "smollm2-135m-instruct-n3"

@@ -999,8 +999,9 @@ def test_average_heads_interpolates_the_weights_and_refuses_heads_of_another_sha
 
 
 def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_checkpoint, tmp_path):
-    """Fill-f rows after a miss: row t is kept iff it is a loss row and the head's full-fill draft of token
-    t - f + 1 (row t - f, itself a loss row) missed the target's token; checked row by row, sample by sample."""
+    """Fill-f rows after a miss: row t is kept iff it is a loss row, the head's full-fill draft of token
+    t - f + 1 (row t - f, itself a loss row) missed the target's token, and for f = 2 the fill-1 draft made
+    since (row t - 1) was right; checked row by row, sample by sample."""
     m, data, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
     head = load_draft(tmp_path / "a" / "head", m, "tiny").float()
     tr = PdmTrainer(m, head, TrainConfig(max_seq_len=64))
@@ -1010,10 +1011,17 @@ def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_ch
         anchors, _, t_arg = tr.teacher(ids, lens)
         sel = (loss_mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
         full, _ = tr.student_logits(anchors, lens, None, sel)
+        one, _ = tr.student_logits(anchors, lens, 1, sel)
     drafted = dict(zip(sel.tolist(), head.draft_vocab[full.argmax(-1)].tolist()))
+    drafted1 = dict(zip(sel.tolist(), head.draft_vocab[one.argmax(-1)].tolist()))
     flat = t_arg.reshape(-1).tolist()
-    for fill in (1, 2):
-        want = [r for r in sel.tolist() if r % T >= fill and r - fill in drafted and drafted[r - fill] != flat[r - fill]]
+    missed = {r for r in sel.tolist() if r % T >= 1 and r - 1 in drafted and drafted[r - 1] != flat[r - 1]}
+    want1 = sorted(missed)
+    want2 = [r for r in sel.tolist() if r % T >= 2 and r - 1 in missed and drafted1[r - 1] == flat[r - 1]]
+    # fill 2 without the fill-1 condition would keep more rows: the check can tell the two rules apart
+    loose2 = [r for r in sel.tolist() if r % T >= 2 and r - 2 in drafted and drafted[r - 2] != flat[r - 2]]
+    assert len(want2) < len(loose2)
+    for fill, want in ((1, want1), (2, want2)):
         got = tr.rows_after_miss(anchors, lens, sel, fill, t_arg).tolist()
         assert got == want and 0 < len(want) < sel.numel(), fill
     # the loss then counts only those rows at a fill, every row at full fill

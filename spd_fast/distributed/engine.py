@@ -48,7 +48,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
     """Rank 0 picks the draft head (which may fix the stage split) and the anchors."""
     from ..api import shipped_head  # the api imports this package lazily; no cycle at import time
 
-    fp = full_weights_fingerprint(path, cfg, dtype)
+    fp = full_weights_fingerprint(path, cfg)
     b = validate_boundaries(tuple(boundaries), cfg.num_layers) if boundaries is not None else \
         uniform_boundaries(cfg.num_layers, n)
     source = str(draft)

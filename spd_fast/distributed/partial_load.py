@@ -130,12 +130,12 @@ def load_stage(path: str | Path, cfg: ModelConfig, layers: range, *, embedding: 
     return model
 
 
-def full_weights_fingerprint(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> str:
+def full_weights_fingerprint(path: str | Path, cfg: ModelConfig) -> str:
     """runtime.weights_fingerprint of the whole checkpoint, reading only the four tensors it hashes
     (so a draft head trained on the single-process model matches here too)."""
     rd = CheckpointReader(path)
     last, first = dict(_layer_tensors(cfg, rd, cfg.num_layers - 1)), dict(_layer_tensors(cfg, rd, 0))
-    w = lambda t: SimpleNamespace(weight=t.to(dtype))  # noqa: E731
+    w = lambda t: SimpleNamespace(weight=t)  # noqa: E731  (as stored, like runtime.load_target: any dtype matches)
     # weights_fingerprint reads .embed, .norm, .layers[-1].mlp.w_down and .layers[0].attn.wqkv
     # one layer object serves as both layers[0] (its wqkv) and layers[-1] (its w_down)
     ends = SimpleNamespace(attn=SimpleNamespace(wqkv=w(first["layers.0.attn.wqkv.weight"])),

@@ -222,15 +222,29 @@ class PdmTrainer:
     @torch.no_grad()
     def rows_after_miss(self, anchors: list[torch.Tensor], lens: torch.Tensor, sel: torch.Tensor, fill: int,
                         t_arg: torch.Tensor) -> torch.Tensor:
-        """The loss rows `sel` (flat b * T + t) that the pipeline drafts at `fill` right after a reject: at
-        fill f the oldest in-flight token, t - f + 1, is the target's correction, so the head's full-fill
-        draft of it (row t - f) missed. Fill augmentation otherwise draws fill-f rows at any position,
-        where the head does better than after its own misses."""
+        """The loss rows `sel` (flat b * T + t) that the pipeline drafts at `fill` right after a reject and then
+        verifies: at fill f the oldest in-flight token, t - f + 1, is the target's correction, so the head's
+        full-fill draft of it (row t - f) missed; and the drafts made since, at fills 1 .. f-1 (rows t - f + 1
+        .. t - 1), were right, else a later reject flushed row t's draft before it was verified. Fill
+        augmentation otherwise draws fill-f rows at any position, where the head does better than after its
+        own misses."""
         T = anchors[0].shape[1]
-        logits, _ = self.student_logits(anchors, lens, None, sel)
-        miss = torch.zeros(t_arg.numel(), dtype=torch.bool, device=sel.device)
-        miss[sel] = self.head.draft_vocab[logits.argmax(-1)] != t_arg.reshape(-1)[sel]
-        return sel[(sel % T >= fill) & miss[(sel - fill).clamp_min(0)]]
+        flat = t_arg.reshape(-1)
+
+        def right(f: int | None) -> torch.Tensor:  # per flat row: a loss row whose fill-f draft is the target's
+            logits, _ = self.student_logits(anchors, lens, f, sel)
+            ok = torch.zeros(flat.numel(), dtype=torch.bool, device=sel.device)
+            ok[sel] = self.head.draft_vocab[logits.argmax(-1)] == flat[sel]
+            return ok
+
+        in_sel = torch.zeros(flat.numel(), dtype=torch.bool, device=sel.device)
+        in_sel[sel] = True
+        keep = sel % T >= fill
+        back = (sel - fill).clamp_min(0)
+        keep &= in_sel[back] & ~right(None)[back]
+        for k in range(1, fill):
+            keep &= right(k)[back + k]
+        return sel[keep]
 
     def student_logits(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
                        sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

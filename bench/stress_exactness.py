@@ -1,0 +1,109 @@
+"""Greedy SPD against greedy AR on unusual prompts and long answers, at every n asked for.
+
+The eval prompts (`bench/eval_acceptance.py`) are ordinary requests of 64 tokens. This script feeds the
+engine what they do not: one-letter and number-run prompts, a word repeated, bare code, mixed scripts and
+emoji, a system message, a multi-turn chat, a request that repeats itself for hundreds of tokens, one that
+ends after a few tokens, a long prompt, and answers of up to --max-new-tokens. Every pair must be
+token-identical; the exit status is 1 if any differs, and the JSON lists each run.
+
+    .venv/bin/python bench/stress_exactness.py --num-stages 2,3,4,5,6 --max-new-tokens 256 \
+        --out bench/results/stress_exactness
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from spd_fast.config import DEFAULT_LOOKUP
+
+PROMPTS: list = [
+    "a",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13",
+    "the " * 16,
+    "def fibonacci(n):",
+    "Écris un poème sur la mer. 日本語で答えてください。 🙂🙂",
+    [{"role": "user", "content": "Repeat the word 'banana' 100 times."}],
+    [{"role": "user", "content": "Count from 1 to 200, separated by commas."}],
+    [{"role": "user", "content": "Write a long story about a dragon who learns to code in Rust."}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Explain TCP handshakes."}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Translate 'good morning' into five languages and explain each."}],
+    [{"role": "user", "content": "A train leaves at 3pm at 60 mph, another at 4pm at 80 mph. When does the "
+                                 "second catch up? Show the steps."}],
+    [{"role": "user", "content": "x" * 3000}],
+    [{"role": "user", "content": "Write a SQL query joining three tables, a Python function that runs it, "
+                                 "and a bash script that calls the function."}],
+]
+
+
+def stress(engines, prompts: list, max_new_tokens: int) -> list[dict]:
+    """engines: (n, Engine) pairs. One row per (n, prompt): AR and SPD token ids compared."""
+    rows = []
+    for n, eng in engines:
+        for i, prompt in enumerate(prompts):
+            t = time.perf_counter()
+            ar = eng.generate(prompt, max_new_tokens, method="ar")
+            spd = eng.generate(prompt, max_new_tokens, method="spd")
+            first = next((k for k, (a, b) in enumerate(zip(ar.token_ids, spd.token_ids)) if a != b),
+                         None if len(ar.token_ids) == len(spd.token_ids) else min(len(ar.token_ids),
+                                                                                  len(spd.token_ids)))
+            rows.append({"num_stages": n, "prompt": i, "identical": first is None, "first_difference": first,
+                         "ar_tokens": len(ar.token_ids), "spd_tokens": len(spd.token_ids),
+                         "finished_by_eos": ar.finished_by_eos,
+                         "acceptance_rate": spd.metrics.get("acceptance_rate"),
+                         "seconds": round(time.perf_counter() - t, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import spd_fast
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="head directory (default: the shipped head for each n)")
+    p.add_argument("--num-stages", default="2,3,4,5,6", help="comma-separated n values")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", default=None,
+                   help="a JSON file with a list of prompts (strings or chat-message lists) instead of the built-in ones")
+    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="write OUT.json")
+    a = p.parse_args(argv)
+    prompts = PROMPTS
+    if a.prompts:
+        try:
+            prompts = json.loads(Path(a.prompts).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--prompts {a.prompts}: {e}; pass a JSON file holding a list of prompts")
+        if not isinstance(prompts, list) or not prompts:
+            p.error(f"--prompts {a.prompts}: expected a non-empty JSON list of prompts")
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    rows = []
+    for n in (int(x) for x in a.num_stages.split(",")):
+        eng = spd_fast.load(a.model, a.draft, num_stages=n, progress=False, lookup=a.lookup)
+        rows += stress([(n, eng)], prompts, a.max_new_tokens)
+    bad = [r for r in rows if not r["identical"]]
+    summary = {"runs": len(rows), "identical": len(rows) - len(bad), "tokens": sum(r["ar_tokens"] for r in rows),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out + ".json").write_text(json.dumps({"summary": summary, "max_new_tokens": a.max_new_tokens,
+                                                     "prompts": prompts, "rows": rows}, indent=1,
+                                                    ensure_ascii=False))
+    print(f"{summary['identical']} of {summary['runs']} runs token-identical ({summary['tokens']} AR tokens, "
+          f"{summary['seconds']} s)")
+    for r in bad:
+        print(f"MISMATCH: n={r['num_stages']} prompt {r['prompt']}: first difference at token "
+              f"{r['first_difference']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""bench/stress_exactness.py: greedy SPD against AR on unusual prompts; a difference must fail the run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_stress", REPO / "bench" / "stress_exactness.py")
+stress = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(stress)
+
+
+def test_stress_runs_every_n_and_writes_json(tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["1 2 3 4", [{"role": "user", "content": "Name two colours."}]]))
+    rc = stress.main(["--num-stages", "2,3",
+                      "--max-new-tokens", "12", "--prompts", str(prompts), "--threads", "1",
+                      "--out", str(tmp_path / "s")])
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert rc == 0 and "4 of 4 runs token-identical" in out
+    assert res["summary"]["runs"] == 4 and res["summary"]["identical"] == 4
+    assert [(r["num_stages"], r["prompt"]) for r in res["rows"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert all(r["ar_tokens"] == r["spd_tokens"] and 1 <= r["ar_tokens"] <= 12 for r in res["rows"])
+    assert res["prompts"][1] == [{"role": "user", "content": "Name two colours."}]
+
+
+class _Engine:
+    """AR gives `ar`; SPD gives `spd`: a stand-in for an engine that went wrong."""
+
+    def __init__(self, ar, spd):
+        self.out = {"ar": ar, "spd": spd}
+
+    def generate(self, prompt, max_new_tokens, method="spd"):
+        return SimpleNamespace(token_ids=self.out[method], finished_by_eos=False, metrics={"acceptance_rate": 0.5})
+
+
+@pytest.mark.parametrize("ar,spd,first", [([1, 2, 3, 4], [1, 2, 9, 4], 2), ([1, 2, 3], [1, 2], 2),
+                                          ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 2, 3], None)])
+def test_stress_finds_the_first_difference(ar, spd, first):
+    row, = stress.stress([(3, _Engine(ar, spd))], ["x"], 4)
+    assert row["first_difference"] == first and row["identical"] == (first is None)
+
+
+def test_stress_main_exits_1_and_names_the_mismatch(monkeypatch, capsys):
+    import spd_fast
+
+    monkeypatch.setattr(spd_fast, "load", lambda *a, **k: _Engine([5, 6, 7], [5, 8, 7]))
+    rc = stress.main(["--num-stages", "2", "--max-new-tokens", "3"])
+    captured = capsys.readouterr()
+    assert rc == 1 and f"0 of {len(stress.PROMPTS)} runs token-identical" in captured.out
+    assert "MISMATCH: n=2 prompt 0: first difference at token 1" in captured.err
+
+
+@pytest.mark.parametrize("content,message", [("not json", "pass a JSON file holding a list of prompts"),
+                                             ("[]", "expected a non-empty JSON list of prompts"),
+                                             ('{"a": 1}', "expected a non-empty JSON list of prompts")])
+def test_stress_refuses_bad_prompt_files(tmp_path, capsys, content, message):
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        stress.main(["--prompts", str(f)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
