@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--fill-aug", type=float, default=0.5)
     p.add_argument("--fill-after-miss", action="store_true",
-                   help="train the fill-augmented steps only on rows that follow a miss of the head's own, "
-                        "as the pipeline's refills after a reject do (default: rows at every position)")
+                   help="train the fill-augmented steps only on the rows the pipeline drafts at that fill after a "
+                        "reject: the head's own draft f tokens back missed, and its refill drafts since were right "
+                        "(default: rows at every position)")
     p.add_argument("--argmax-weight", type=float, default=0.0,
                    help="add this times the cross-entropy on the target's argmax token to the KL loss "
                         "(weights greedy agreement above matching the whole distribution)")
