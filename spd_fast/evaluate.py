@@ -88,7 +88,11 @@ def load_eval_prompts(categories: Sequence[str] = CATEGORIES, limit: int = 40) -
     for c in categories:
         if c not in CATEGORIES:
             raise SpdConfigError(f"unknown prompt category {c!r}; choose from {', '.join(CATEGORIES)}")
-        out[c] = read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")[:limit]
+        rows = read_jsonl(PROMPTS_DIR / f"eval_{c}.jsonl")
+        if limit > len(rows):  # else the results would claim a sample the run never had
+            raise SpdConfigError(f"limit {limit} is more than the {len(rows)} {c} prompts there are; "
+                                 f"use a limit of at most {len(rows)}")
+        out[c] = rows[:limit]
     return out
 
 

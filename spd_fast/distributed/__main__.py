@@ -91,8 +91,15 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
     return reqs
 
 
-def _ints(text: str | None) -> list[int] | None:
-    return None if text is None else [int(x) for x in text.split(",") if x.strip()]
+def _ints(text: str | None, flag: str) -> list[int] | None:
+    from ..config import SpdConfigError
+
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpdConfigError(f"{flag} must be comma-separated layer indices like 0,15,30, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
-                           boundaries=_ints(args.boundaries), anchors=_ints(args.anchors),
+                           boundaries=_ints(args.boundaries, "--boundaries"), anchors=_ints(args.anchors, "--anchors"),
                            draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
                            max_len=args.max_len, seed=args.seed_head, progress=not args.json,
                            timeout=args.timeout, startup_timeout=args.startup_timeout,

@@ -13,30 +13,44 @@ import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..cli_common import _list_of, non_negative_int, positive_int
+
+    layers = _list_of(non_negative_int, "0,10,20,30")
+
+    def non_negative_float(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        return v
+
     p = argparse.ArgumentParser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
-    p.add_argument("--num-stages", type=int, default=3)
-    p.add_argument("--boundaries", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 0,10,20,30")
-    p.add_argument("--anchors", type=lambda s: [int(x) for x in s.split(",")], help="default: the boundaries")
-    p.add_argument("--draft-layers", type=int, default=1, help="L_s, decoder layers of the head")
-    p.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size V_d")
+    p.add_argument("--num-stages", type=positive_int, default=None,
+                   help="n (default: len(--boundaries) - 1 when they are given, else 3)")
+    p.add_argument("--boundaries", type=layers, help="e.g. 0,10,20,30")
+    p.add_argument("--anchors", type=layers, help="default: the boundaries")
+    p.add_argument("--draft-layers", type=positive_int, default=1, help="L_s, decoder layers of the head")
+    p.add_argument("--draft-vocab", type=positive_int, default=16384, help="draft vocabulary size V_d")
     p.add_argument("--train-lm-head", action="store_true",
                    help="train the head's own LM-head rows (initialised from the target's) instead of sharing the "
                         "target's frozen rows: more capacity at no inference cost, V_d x H more weights stored")
     p.add_argument("--data", action="append", default=[],
                    help="training data: 'self-distill' (default) or a .jsonl/.jsonl.gz/.txt/.parquet file; repeatable")
     p.add_argument("--prompts", help="prompt set for self-distillation (default: the project's train.jsonl)")
-    p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
-    p.add_argument("--gen-max-new-tokens", type=int, default=128)
-    p.add_argument("--gen-batch", type=int, default=64)
-    p.add_argument("--gen-temperature", type=float, default=0.0)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--epochs", type=float, default=0, help="if > 0, overrides --steps")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--gen-batch", type=positive_int, default=64)
+    p.add_argument("--gen-temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--epochs", type=non_negative_float, default=0, help="if > 0, overrides --steps")
+    p.add_argument("--lr", type=non_negative_float, default=5e-4)
+    p.add_argument("--warmup", type=non_negative_int, default=50)
+    p.add_argument("--batch-tokens", type=positive_int, default=2048)
+    p.add_argument("--max-seq-len", type=positive_int, default=512)
     p.add_argument("--fill-aug", type=float, default=0.5)
     p.add_argument("--fill-after-miss", action="store_true",
                    help="train the fill-augmented steps only on the rows the pipeline drafts at that fill after a "
@@ -52,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --bf16 halves the teacher's memory traffic)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds of training: after 20 timed steps the step count (and the LR decay) is cut to "
-                        "what fits; 0 = off")
-    p.add_argument("--save-every", type=int, default=50)
+                        "what fits; 0 = off. Rerun with the same --steps, a finished run stays finished; another "
+                        "--steps extends it")
+    p.add_argument("--save-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
@@ -64,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val", action="append", default=[],
                    help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
                         "checkpoint, best head kept in OUT/best_head")
-    p.add_argument("--val-limit", type=int, default=64, help="score at most this many validation samples")
+    p.add_argument("--val-limit", type=positive_int, default=64, help="score at most this many validation samples")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the teacher every step instead of caching its states on disk once (saves disk, costs time)")
@@ -117,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.bf16 and device.type == "cpu" and (warning := bf16_cpu_warning()):
         print(f"spd_fast.train: warning: {warning}", file=sys.stderr)
     out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        print(f"spd_fast.train: error: --out {out} is a file; pass a directory (it is created, or resumed from)",
+              file=sys.stderr)
+        return 2
+    if a.num_stages is None:
+        a.num_stages = len(a.boundaries) - 1 if a.boundaries else 3
+    elif a.boundaries and len(a.boundaries) - 1 != a.num_stages:
+        print(f"spd_fast.train: error: --boundaries {','.join(map(str, a.boundaries))} make "
+              f"{len(a.boundaries) - 1} stages, not --num-stages {a.num_stages}; drop one of the two", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     log_f = open(out / "train_log.jsonl", "a") if rank == 0 else None
 
@@ -143,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     dist.barrier()
                 log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
                                 "seconds": round(time.perf_counter() - t0, 1)}))
-                samples += [dict(r, _source="self-distill") for r in read_jsonl(path)]
+                chosen = {p["id"] for p in prompts}  # the file may hold answers to prompts of an earlier run
+                samples += [dict(r, _source="self-distill") for r in read_jsonl(path) if r["id"] in chosen]
             else:
                 if not Path(src).is_file():
                     raise SpdConfigError(f"data file {src} does not exist")
@@ -152,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SpdConfigError("no training samples; pass --data self-distill or a data file")
         val = read_val_samples(a.val, target)[: a.val_limit]
         steps = a.steps
-        if a.epochs > 0:
-            steps = int(a.epochs * len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)))
+        if a.epochs > 0:  # under torchrun each step takes one batch per rank
+            per_epoch = len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)) // world
+            steps = int(a.epochs * per_epoch)
+            if steps < 1:
+                raise SpdConfigError(f"--epochs {a.epochs} is less than one step ({per_epoch} steps per epoch); "
+                                     f"ask for more epochs or use --steps")
         cfg = TrainConfig(steps=steps, lr=a.lr, warmup=a.warmup, batch_tokens=a.batch_tokens,
                           max_seq_len=a.max_seq_len, fill_aug=a.fill_aug, fill_after_miss=a.fill_after_miss,
                           seed=a.seed, bf16=a.bf16,

@@ -259,6 +259,13 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _some_floats(text: str) -> list[float]:
+    vals = _floats(text)
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected at least one number (comma-separated), got {text!r}")
+    return vals
+
+
 def load_target_and_head(head_dir: str | Path, model: str | None = None, threads: int = 0):
     """The target (`model`, default the embedded one) and the head saved in `head_dir`, checked against it,
     for a teacher-forced scoring run on `threads` CPU threads (0: torch's default)."""
@@ -272,6 +279,7 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli_common import positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = argparse.ArgumentParser(prog="spd_fast.train.calibrate", description=__doc__,
@@ -279,14 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.txt/.parquet); repeatable")
-    p.add_argument("--val-limit", type=int, default=140, help="use at most this many samples")
-    p.add_argument("--temperatures", type=_floats, default=list(DEFAULT_TEMPERATURES))
-    p.add_argument("--scales", type=_floats, default=list(DEFAULT_SCALES))
+    p.add_argument("--val-limit", type=positive_int, default=140, help="use at most this many samples")
+    p.add_argument("--temperatures", type=_some_floats, default=list(DEFAULT_TEMPERATURES))
+    p.add_argument("--scales", type=_some_floats, default=list(DEFAULT_SCALES))
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP, metavar="K",
                    help=f"calibrate the lookup gate for context matches of K tokens (default {DEFAULT_LOOKUP}, "
                         "the runtime's default; 0 skips it)")
-    p.add_argument("--gate-confidences", type=_floats, default=list(DEFAULT_GATE_CONFIDENCES))
-    p.add_argument("--gate-ratios", type=_floats, default=list(DEFAULT_GATE_RATIOS))
+    p.add_argument("--gate-confidences", type=_some_floats, default=list(DEFAULT_GATE_CONFIDENCES))
+    p.add_argument("--gate-ratios", type=_some_floats, default=list(DEFAULT_GATE_RATIOS))
     p.add_argument("--copy-boosts", type=_floats, default=list(DEFAULT_COPY_BOOSTS),
                    help="logit boosts of a copied token to try for sampled decoding (empty: keep one-hot copies)")
     p.add_argument("--threads", type=int, default=0)

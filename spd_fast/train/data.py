@@ -17,27 +17,72 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a .jsonl file, or of a gzip-compressed .jsonl.gz one."""
-    opener = gzip.open if str(path).endswith(".gz") else open
+    """Rows of a .jsonl file, or of a gzip-compressed .jsonl.gz one. A line that is not a JSON object is an
+    error naming the file and line."""
+    from ..config import SpdConfigError
+
+    opener = gzip.open if str(path).lower().endswith(".gz") else open
+    rows = []
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise SpdConfigError(f"{path}, line {n}: not valid JSON ({e}); each line of a .jsonl file must be "
+                                     f"one JSON object") from None
+            if not isinstance(row, dict):
+                raise SpdConfigError(f"{path}, line {n}: a JSON {type(row).__name__}, not an object; each line of a "
+                                     f".jsonl file must be one JSON object")
+            rows.append(row)
+    return rows
 
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:
     """{"id", "prompt"} records; default: the project's training prompt set."""
-    return read_jsonl(path or PROMPTS_DIR / "train.jsonl")
+    from ..config import SpdConfigError
+
+    path = Path(path) if path else PROMPTS_DIR / "train.jsonl"
+    if not path.is_file():
+        raise SpdConfigError(f"prompt file {path} does not exist; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
+    rows = read_jsonl(path)
+    for n, r in enumerate(rows, 1):
+        if not isinstance(r.get("prompt"), str) or "id" not in r:
+            raise SpdConfigError(f"{path}, row {n}: a prompt row needs an \"id\" and a string \"prompt\", got keys "
+                                 f"{sorted(r)}")
+    return rows
 
 
 def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_new_tokens: int = 128,
                  batch_size: int = 32, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> Path:
     """Let the target answer every prompt; append {"id", "prompt_ids", "response_ids"} lines to out_path.
 
-    Resumable: prompts whose id is already in out_path are skipped.
+    Resumable: prompts whose id is already in out_path are skipped. A sidecar OUT.meta.json records the
+    settings; answers made with others (another model, max_new_tokens, temperature or seed), or to another
+    prompt under the same id, are an error rather than silently reused.
     """
+    from ..config import SpdConfigError
+
     out_path = Path(out_path)
-    done = {r["id"] for r in read_jsonl(out_path)} if out_path.is_file() else set()
-    todo = [p for p in prompts if p["id"] not in done]
-    enc = [(p["id"], target.encode([{"role": "user", "content": p["prompt"]}])) for p in todo]
+    meta_path = out_path.with_name(out_path.name + ".meta.json")
+    meta = {"fingerprint": target.fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
+            "seed": seed}
+    rows = read_jsonl(out_path) if out_path.is_file() else []
+    if rows and meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items() if old.get(k) != v]
+        if diff:
+            raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
+                                 f"(and {meta_path.name}) to make new ones, or use another --out")
+    meta_path.write_text(json.dumps(meta))
+    done = {r["id"]: r["prompt_ids"] for r in rows}
+    encoded = {p["id"]: target.encode([{"role": "user", "content": p["prompt"]}]) for p in prompts}
+    stale = [i for i, ids in encoded.items() if i in done and done[i] != ids]
+    if stale:
+        raise SpdConfigError(f"{out_path} answers prompt id {stale[0]!r} for another prompt text; delete it to "
+                             f"answer this prompt set, or use another --out")
+    enc = [(i, ids) for i, ids in encoded.items() if i not in done]
     enc.sort(key=lambda x: len(x[1]))  # similar lengths batch together
     params = SamplingParams(temperature=temperature, seed=seed)
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
@@ -96,38 +141,94 @@ def self_written_prompts(target: Target, openers: list[str], max_tokens: int = 6
     return out
 
 
+DATA_FORMATS = ".jsonl, .jsonl.gz, .json (a list of rows), .parquet (a \"text\" column) or .txt"
+ROW_KEYS = '"messages" (chat), "text", or "prompt_ids" + "response_ids" (token ids)'
+
+
+def _chat_ids(tokenizer, msgs: list, add_generation_prompt: bool = False) -> list[int]:
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Iterator[dict]:
+    """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
+    the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
+    from ..config import SpdConfigError
+
+    if "prompt_ids" in rec:
+        if not isinstance(rec.get("response_ids"), list) or not isinstance(rec["prompt_ids"], list):
+            raise SpdConfigError(f"{where}: \"prompt_ids\" and \"response_ids\" must both be lists of token ids")
+        yield rec if "id" in rec else dict(rec, id=f"{stem}-{i}")
+    elif "messages" in rec:
+        msgs = rec["messages"]
+        if (not isinstance(msgs, list) or not msgs
+                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)):
+            raise SpdConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        turns = [k for k, m in enumerate(msgs) if m.get("role") == "assistant" and k > 0]
+        if not turns:
+            raise SpdConfigError(f"{where}: the chat has no assistant message after a user message, so there is "
+                                 f"nothing to train on; the loss is taken on assistant turns")
+        for j, k in enumerate(turns):
+            prompt = _chat_ids(target.tokenizer, msgs[:k], add_generation_prompt=True)
+            full = _chat_ids(target.tokenizer, msgs[: k + 1])
+            if full[: len(prompt)] != prompt:
+                raise SpdConfigError(f"{where}: the chat template does not extend the conversation's tokens when "
+                                     f"a turn is added, so the assistant turn cannot be cut out; use \"text\" rows")
+            yield {"id": f"{stem}-{i}" + (f"-{j}" if len(turns) > 1 else ""), "prompt_ids": prompt,
+                   "response_ids": full[len(prompt):]}
+    elif isinstance(rec.get("text"), str):
+        yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
+    else:
+        raise SpdConfigError(f"{where}: a row needs {ROW_KEYS}; got keys {sorted(rec)}")
+
+
 def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
-    """Local data: .jsonl with {"messages": [...]} (chat; loss on assistant turns) or {"text": ...},
-    or a plain .txt file (one sample per blank-line-separated block). A .jsonl.gz file is read as .jsonl;
-    other compressed files are refused."""
+    """Local data: .jsonl (or .jsonl.gz, or a .json list) of rows with {"messages": [...]} (chat; loss on the
+    assistant turns), {"text": ...} or {"prompt_ids", "response_ids"}; .parquet with a "text" column; or a
+    plain .txt file (one sample per blank-line-separated block). Suffixes are matched in any case; other
+    compressed files and unknown suffixes are refused."""
     from ..config import SpdConfigError
 
     path = Path(path)
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
-        for i, rec in enumerate(read_jsonl(path)):
-            if "prompt_ids" in rec:
-                yield rec
-            elif "messages" in rec:
-                msgs = rec["messages"]
-                ids_prompt = target.tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
-                ids_full = target.tokenizer.apply_chat_template(msgs, tokenize=True)
-                ids_prompt = list(ids_prompt["input_ids"] if isinstance(ids_prompt, dict) else ids_prompt)
-                ids_full = list(ids_full["input_ids"] if isinstance(ids_full, dict) else ids_full)
-                yield {"id": f"{stem}-{i}", "prompt_ids": ids_prompt, "response_ids": ids_full[len(ids_prompt):]}
-            elif "text" in rec:
-                yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
-    elif path.suffix in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        stem = path.name[: -len(".jsonl.gz")] if name.endswith(".gz") else path.name.rsplit(".", 1)[0]
+        if name.endswith(".json"):
+            try:
+                rows = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise SpdConfigError(f"{path}: not valid JSON ({e}); a .json data file holds one list of rows "
+                                     f"(or use .jsonl, one row per line)") from None
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise SpdConfigError(f"{path}: a .json data file must hold a list of JSON objects (rows)")
+            where = lambda i: f"{path}, row {i + 1}"  # noqa: E731
+        else:
+            rows = read_jsonl(path)
+            where = lambda i: f"{path}, row {i + 1}"  # noqa: E731
+        for i, rec in enumerate(rows):
+            yield from row_samples(rec, where(i), stem, i, target)
+    elif path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst", ".zip"):
         raise SpdConfigError(f"data file {path}: only .jsonl.gz is read compressed; decompress it first "
                              "(or gzip a .jsonl file)")
-    elif path.suffix == ".parquet":
-        import pandas as pd  # optional: only needed for parquet input
-
-        for i, text in enumerate(pd.read_parquet(path)["text"]):
+    elif path.suffix.lower() == ".parquet":
+        try:
+            import pandas as pd  # optional: only needed for parquet input
+        except ImportError:
+            raise SpdConfigError(f"data file {path}: reading .parquet needs pandas and pyarrow "
+                                 f"(pip install pandas pyarrow), or convert it to .jsonl") from None
+        frame = pd.read_parquet(path)
+        if "text" not in frame.columns:
+            raise SpdConfigError(f"data file {path}: a .parquet file needs a \"text\" column; it has "
+                                 f"{list(frame.columns)}")
+        for i, text in enumerate(frame["text"]):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(text)}
-    else:
+    elif path.suffix.lower() in (".txt", ".text", ".md", ""):
         for i, block in enumerate(b for b in path.read_text().split("\n\n") if b.strip()):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(block)}
+    else:
+        raise SpdConfigError(f"data file {path}: unknown format {path.suffix!r}; use {DATA_FORMATS}")
 
 
 def read_val_samples(paths: Sequence[str | Path], target: Target) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import SpdConfigError
 from ..model import Transformer, apply_rope
 from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
 from ..progress import interactive
@@ -99,6 +101,7 @@ class PdmTrainer:
         self.step = 0
         self.rng = random.Random(cfg.seed)
         self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
+        self.budget_done = False        # a time budget has fitted total_steps (kept across a resume)
         self.dev = target.device
         # data parallel (torchrun): every rank takes its own batches and gradients are averaged
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -336,8 +339,9 @@ class PdmTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.head.save(out / "head")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg)},
-                   out / "trainer_state.pt.tmp")
+                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg),
+                    "draft": json.loads(self.head.dcfg.to_json()), "total_steps": self.total_steps,
+                    "budget_done": self.budget_done}, out / "trainer_state.pt.tmp")
         (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
 
     def resume(self, out: Path) -> bool:
@@ -345,9 +349,22 @@ class PdmTrainer:
         if not f.is_file():
             return False
         st = torch.load(f, weights_only=False, map_location=self.dev)
-        self.head.load_state_dict(st["head"])
-        self.opt.load_state_dict(st["opt"])
+        mine = json.loads(self.head.dcfg.to_json())
+        saved = st.get("draft", {})
+        diff = [f"{k} {saved[k]} vs {mine.get(k)}" for k in RESUME_KEYS if k in saved and saved[k] != mine.get(k)]
+        if diff:
+            raise SpdConfigError(f"{out} holds a run of another head ({'; '.join(diff)}: saved vs asked); resume "
+                                 f"it with its own options, or pass --no-resume (or another --out) to start over")
+        try:
+            self.head.load_state_dict(st["head"])
+            self.opt.load_state_dict(st["opt"])
+        except (RuntimeError, ValueError) as e:
+            raise SpdConfigError(f"{out} holds a run whose head does not fit the one asked for ({str(e)[:200]}); "
+                                 f"pass --no-resume (or another --out) to start over") from None
         self.step = st["step"]  # the LR schedule follows this run's steps (a resume may extend a run)
+        if st.get("cfg", {}).get("steps") == self.cfg.steps and "total_steps" in st:
+            # the same run asked again: keep the length a time budget fitted it to (it ended there)
+            self.total_steps, self.budget_done = st["total_steps"], st.get("budget_done", False)
         self.rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"].cpu())
         return True
@@ -410,6 +427,11 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
     return (ids, lens, mask), (states, arg, cache.layers)
 
 
+# draft_config fields a resumed run must share with the saved one (the weights' shape and meaning)
+RESUME_KEYS = ("boundaries", "anchors", "num_layers", "draft_vocab_size", "base_fingerprint", "frozen_lm_head",
+               "base_model_type", "base_hidden_size", "base_num_layers")
+
+
 class TimeBudget:
     """Fit training into `seconds` of wall clock: time steps `start`..`start + measure` (after the
     first `start`, which include compilation and allocator warm-up), then set the trainer's total
@@ -437,6 +459,7 @@ class TimeBudget:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             total = int(t.item())
         self.trainer.total_steps = max(total, self.trainer.step)
+        self.trainer.budget_done = True
         return self.trainer.total_steps
 
 
@@ -464,7 +487,6 @@ def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
     the first ones and each extra layer starts as the identity (its attention output and MLP down
     projections zeroed, so both residual branches add nothing), so the grown head drafts exactly
     like the saved one at step 0 and training only has to learn what the new depth adds."""
-    from ..config import SpdConfigError
     from ..pdm import load_draft
 
     src = load_draft(init, target_obj.model, target_obj.fingerprint)
@@ -536,6 +558,9 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         log = _quiet
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
+    elif lead and (out / "best_head").is_dir():
+        shutil.rmtree(out / "best_head")  # an earlier run's: this one's validations must not be judged against it
+        log(f"removed {out / 'best_head'} of an earlier run (a fresh start)")
     cache = None
     if feature_cache:
         from .features import build_feature_caches
@@ -564,13 +589,11 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
 
     per_epoch = len(rank_batches(0))
     if per_epoch == 0:
-        from ..config import SpdConfigError
-
         raise SpdConfigError(f"{len(samples)} samples make fewer batches than the {world} ranks; lower "
                              "--batch-tokens, add data or use fewer processes")
     epoch, done_in_epoch = divmod(trainer.step, per_epoch)
     t0, toks, agg = time.perf_counter(), 0.0, []
-    budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 else None
+    budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 and not trainer.budget_done else None
     pbar = None
     if interactive() and lead:
         from tqdm import tqdm

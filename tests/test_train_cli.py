@@ -1,0 +1,217 @@
+"""`python -m spd_fast.train` / `spd_fast.train.calibrate` / `spd-fast eval` on their inputs: data formats (chat rows,
+.json lists, any-case suffixes), bad files and options, resuming into an existing --out, self-distillation
+answers of another run, and --epochs under torchrun. Each bad input is one clear error with exit status 2."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_fast.train.__main__ import main as train_main
+
+
+@pytest.fixture(scope="module")
+def full_vocab_checkpoint(tmp_path_factory):
+    """A tiny random Llama with the default tokenizer's whole 49,152-token vocabulary, so real text (chat
+    templates, self-distillation prompts) tokenizes into it."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import _copy_tokenizer, _tiny_config
+
+    cfg = _tiny_config("llama")
+    cfg.vocab_size = 49152
+    torch.manual_seed(zlib.crc32(b"full") % 1000)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    d = tmp_path_factory.mktemp("full")
+    hf.save_pretrained(d)
+    _copy_tokenizer(d)
+    return str(d)
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    try:
+        rc = train_main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def small(model: str, out: Path, *extra: str) -> list[str]:
+    return ["--model", model, "--out", str(out), "--num-stages", "3", "--draft-vocab", "64", "--batch-tokens", "128",
+            "--max-seq-len", "64", "--warmup", "1", "--threads", "1", "--no-feature-cache", *extra]
+
+
+CHAT = [{"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                      {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, too."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}]}]
+
+
+def test_chat_rows_give_one_sample_per_assistant_turn(default_target, tmp_path):
+    from spd_fast.train.data import text_file_samples
+
+    f = tmp_path / "chat.JSONL"  # suffixes in any case
+    f.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    rows = list(text_file_samples(f, default_target))
+    tok = default_target.tokenizer
+    assert [r["id"] for r in rows] == ["chat-0-0", "chat-0-1", "chat-1"]
+    assert [tok.decode(r["response_ids"]).strip().split("<|im_end|>")[0] for r in rows] == ["Blue.", "Green, too.",
+                                                                                            "Hello!"]
+    assert rows[1]["prompt_ids"] == default_target.encode(CHAT[0]["messages"][:3])  # the conversation before it
+    js = tmp_path / "chat.json"  # a .json file: one list of the same rows
+    js.write_text(json.dumps(CHAT))
+    assert [r["response_ids"] for r in text_file_samples(js, default_target)] == [r["response_ids"] for r in rows]
+
+
+def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3))
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--val", str(f), "--steps", "2",
+                        "--save-every", "2"), capsys)
+    assert rc == 0, err
+    assert '"done": true' in err and (tmp_path / "o" / "best_head" / "val.json").is_file()
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("bad.jsonl", '{"text": "a"}\n{"text": \n', r"bad.jsonl, line 2: not valid JSON .* must be one JSON object"),
+    ("list.jsonl", '[1, 2]\n', r"list.jsonl, line 1: a JSON list, not an object"),
+    ("keys.jsonl", '{"text": "a"}\n{"body": "b"}\n', r"keys.jsonl, row 2: a row needs \"messages\" \(chat\), \"text\", "
+                                                     r"or \"prompt_ids\" \+ \"response_ids\" \(token ids\); got keys "
+                                                     r"\['body'\]"),
+    ("user.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n",
+     r"user.jsonl, row 1: the chat has no assistant message after a user message"),
+    ("rows.json", '{"text": "a"}', r"rows.json: a .json data file must hold a list of JSON objects"),
+    ("d.csv", "a,b\n", r"d.csv: unknown format '.csv'; use .jsonl, .jsonl.gz, .json"),
+    ("d.parquet", "x", r"d.parquet: reading .parquet needs pandas and pyarrow \(pip install pandas pyarrow\)"),
+])
+def test_bad_data_files_are_named(full_vocab_checkpoint, tmp_path, capsys, name, content, message):
+    if name.endswith(".parquet"):  # pandas is not a dependency: the message is what a user without it sees
+        try:
+            import pandas  # noqa: F401
+            pytest.skip("pandas is installed here, so the missing-pandas message cannot show")
+        except ImportError:
+            pass
+    f = tmp_path / name
+    f.write_text(content)
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--steps", "1"), capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Sample number {i} is here."}) + "\n" for i in range(4)))
+    base = small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data))
+    for flag, value, message in [("--save-every", "0", "expected a positive integer, got 0"),
+                                 ("--max-seq-len", "0", "expected a positive integer, got 0"),
+                                 ("--draft-vocab", "0", "expected a positive integer, got 0"),
+                                 ("--steps", "0", "expected a positive integer, got 0"),
+                                 ("--epochs", "-1", "expected a number >= 0, got '-1'"),
+                                 ("--boundaries", "0,x", "expected a comma-separated list like 0,10,20,30")]:
+        rc, err = run(base + [flag, value], capsys)
+        assert rc == 2 and message in err, (flag, err)
+    rc, err = run(base + ["--boundaries", "0,3,6"], capsys)  # with --num-stages 3 from small()
+    assert rc == 2 and "--boundaries 0,3,6 make 2 stages, not --num-stages 3; drop one of the two" in err
+    rc, err = run(base + ["--epochs", "0.001"], capsys)
+    assert rc == 2 and "--epochs 0.001 is less than one step" in err
+    (tmp_path / "afile").write_text("x")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "afile", "--data", str(data)), capsys)
+    assert rc == 2 and "is a file; pass a directory" in err
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--prompts", str(tmp_path / "nope.jsonl")), capsys)
+    assert rc == 2 and "prompt file" in err and "nope.jsonl does not exist" in err
+
+
+def test_resume_refuses_another_head_and_a_fresh_start_drops_the_old_best(full_vocab_checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Sample number {i} is here, and more."}) + "\n" for i in range(6)))
+    out = tmp_path / "o"
+    base = small(full_vocab_checkpoint, out, "--data", str(data), "--val", str(data), "--steps", "2",
+                 "--save-every", "2")
+    assert run(base, capsys)[0] == 0
+    for extra, what in [(["--anchors", "0,1,3,6"], "anchors [0, 2, 4, 6] vs [0, 1, 3, 6]"),
+                        (["--draft-layers", "2"], "num_layers 1 vs 2"),
+                        (["--draft-vocab", "32"], "draft_vocab_size 64 vs 32")]:
+        rc, err = run(base + extra, capsys)
+        assert rc == 2 and f"holds a run of another head ({what}: saved vs asked)" in err, err
+        assert "pass --no-resume (or another --out) to start over" in err
+    rc, err = run(base + ["--anchors", "0,1,3,6", "--no-resume"], capsys)
+    assert rc == 0 and "removed" in err and "best_head of an earlier run" in err
+    best = json.loads((out / "best_head" / "draft_config.json").read_text())
+    assert best["anchors"] == [0, 1, 3, 6]
+
+
+def test_a_time_budgeted_run_stays_finished_when_rerun(full_vocab_checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Sample number {i} is here, and more."}) + "\n" for i in range(6)))
+    args = small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "100000",
+                 "--time-budget", "2", "--save-every", "1000")
+    assert run(args, capsys)[0] == 0
+    first = torch.load(tmp_path / "o" / "trainer_state.pt", weights_only=False)
+    assert 20 <= first["step"] < 100000 and first["budget_done"]
+    rc, err = run(args, capsys)
+    again = torch.load(tmp_path / "o" / "trainer_state.pt", weights_only=False)
+    assert rc == 0 and f"resumed from {tmp_path / 'o'} at step {first['step']}" in err
+    assert again["step"] == first["step"] == again["total_steps"]
+
+
+def test_self_distillation_answers_of_other_settings_are_not_reused(full_vocab_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    base = small(full_vocab_checkpoint, tmp_path / "o", "--prompts", str(prompts), "--gen-batch", "4",
+                 "--steps", "1", "--no-resume")
+    assert run(base + ["--gen-max-new-tokens", "4"], capsys)[0] == 0
+    rc, err = run(base + ["--gen-max-new-tokens", "6"], capsys)
+    assert rc == 2 and "self_distill.jsonl holds answers made with other settings (max_new_tokens 4 vs 6)" in err
+    rc, err = run(base + ["--gen-max-new-tokens", "4", "--max-prompts", "2"], capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "o" / "train_config.json").read_text())["samples"] == 2
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write {i}."}) + "\n" for i in range(4)))
+    rc, err = run(base + ["--gen-max-new-tokens", "4"], capsys)
+    assert rc == 2 and "answers prompt id 'p0' for another prompt text" in err
+
+
+def test_epochs_under_torchrun_count_one_batch_per_rank(tiny_checkpoint, tmp_path):
+    from test_distributed import free_port
+    from test_train import _samples
+    from conftest import tiny_target
+    from spd_fast.train.trainer import pack_batches
+
+    ckpt = tiny_checkpoint("llama")
+    samples = _samples(tiny_target(ckpt), 8)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    p = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "-m", "spd_fast.train", "--model", ckpt, "--out", str(tmp_path / "o"),
+                        "--data", str(data), "--draft-vocab", "50", "--epochs", "1", "--batch-tokens", "64",
+                        "--max-seq-len", "32", "--warmup", "1", "--no-feature-cache", "--threads", "1"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    per_rank = len(pack_batches(samples, 64, 32, 0, 0)) // 2
+    assert per_rank >= 2
+    assert torch.load(tmp_path / "o" / "trainer_state.pt", weights_only=False)["step"] == per_rank
+
+
+def test_calibrate_and_eval_refuse_empty_grids_and_missing_prompts(capsys):
+    from spd_fast.evaluate import load_eval_prompts
+    from spd_fast.train.calibrate import main as cal_main
+    from spd_fast.config import SpdConfigError
+
+    with pytest.raises(SystemExit) as e:
+        cal_main(["somewhere", "--scales", ""])
+    assert e.value.code == 2 and "expected at least one number (comma-separated), got ''" in capsys.readouterr().err
+    with pytest.raises(SpdConfigError, match="limit 100 is more than the 40 chat prompts there are"):
+        load_eval_prompts(["chat"], 100)
+    assert len(load_eval_prompts(["chat"], 40)["chat"]) == 40
