@@ -1031,3 +1031,24 @@ def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_ch
         n_full = tr2.loss(ids, lens, loss_mask, fill=None)[1]["tokens"]
         n_one = tr2.loss(ids, lens, loss_mask, fill=1)[1]["tokens"]
     assert n_full == sel.numel() and n_one == len(tr.rows_after_miss(anchors, lens, sel, 1, t_arg))
+
+
+def test_feature_cache_key_tells_the_targets_dtype_apart():
+    """The same checkpoint in fp32 and bf16 has one fingerprint but other teacher states: separate caches."""
+    from spd_fast.train.features import cache_key
+
+    rows = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}]
+    k32 = cache_key("fp", [10, 30], 64, rows, False)
+    assert cache_key("fp", [10, 30], 64, rows, False, torch.float32) == k32
+    assert len({k32, cache_key("fp", [10, 30], 64, rows, False, torch.bfloat16),
+                cache_key("fp", [10, 30], 64, rows, True), cache_key("fp", [10, 30], 64, rows[:0], False)}) == 4
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero_even_when_the_run_is_short(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"))
+    head = init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 3, 6), None, 1, 50), m.cfg, m.norm), m)
+    long = PdmTrainer(m, head, TrainConfig(steps=100, lr=1.0, warmup=10))
+    assert [round(long.lr_at(s), 3) for s in (0, 9, 10, 55)] == [0.1, 1.0, 1.0, 0.5] and long.lr_at(100) == 0.0
+    short = PdmTrainer(m, head, TrainConfig(steps=8, lr=1.0, warmup=50))  # warm-up longer than the run
+    lrs = [short.lr_at(s) for s in range(8)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0 and lrs[-1] == 0.25 and short.lr_at(8) == 0.0

@@ -35,9 +35,13 @@ def _seq(s: dict, max_seq_len: int) -> list[int]:
     return (s["prompt_ids"] + s["response_ids"])[:max_seq_len]
 
 
-def cache_key(fingerprint: str, layers: Sequence[int], max_seq_len: int, samples: Sequence[dict], bf16: bool) -> str:
+def cache_key(fingerprint: str, layers: Sequence[int], max_seq_len: int, samples: Sequence[dict], bf16: bool,
+              dtype: torch.dtype = torch.float32) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT_VERSION, fingerprint, list(layers), max_seq_len, bf16]).encode())
+    head = [FORMAT_VERSION, fingerprint, list(layers), max_seq_len, bf16]
+    if dtype != torch.float32:  # the target's weights in another dtype give other states (fp32 keys unchanged)
+        head.append(str(dtype))
+    h.update(json.dumps(head).encode())
     for s in samples:
         h.update(json.dumps(_seq(s, max_seq_len)).encode())
     return h.hexdigest()[:16]
@@ -67,11 +71,11 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
 
     Resumable: samples already written (done.npy) are skipped; a finished cache is reused as is.
     The key covers the target's fingerprint, the recorded layers, max_seq_len, the token ids and
-    the teacher precision, so a cache never serves other data or another model.
+    the teacher precision (autocast and the target's dtype), so a cache never serves other data or another model.
     """
     L = model.cfg.num_layers
     layers = sorted({b for b in anchors if b > 0} | {L})
-    key = cache_key(fingerprint, layers, max_seq_len, samples, bf16)
+    key = cache_key(fingerprint, layers, max_seq_len, samples, bf16, model.embed.weight.dtype)
     d = Path(root) / key
     d.mkdir(parents=True, exist_ok=True)
     seqs = [_seq(s, max_seq_len) for s in samples]

@@ -129,10 +129,13 @@ class PdmTrainer:
         return torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def lr_at(self, step: int) -> float:
+        """Linear warm-up, then linear decay to 0 at the last step; a run shorter than twice the warm-up (e.g.
+        cut by a time budget) warms up over its first half only, so it still decays instead of ending on the ramp."""
         c = self.cfg
-        if step < c.warmup:
-            return c.lr * (step + 1) / c.warmup
-        return c.lr * max(0.0, 1 - (step - c.warmup) / max(1, self.total_steps - c.warmup))
+        warmup = min(c.warmup, self.total_steps // 2)
+        if step < warmup:
+            return c.lr * (step + 1) / warmup
+        return c.lr * max(0.0, 1 - (step - warmup) / max(1, self.total_steps - warmup))
 
     @torch.no_grad()
     def teacher_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
