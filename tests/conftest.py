@@ -49,25 +49,32 @@ def _copy_tokenizer(d) -> None:
             shutil.copy(src / name, d / name)
 
 
+def save_random_checkpoint(cfg, d, seed: int, std: float = 0.08, tokenizer: bool = True) -> str:
+    """A transformers model of `cfg` with seeded N(0, std) matrices (larger than the default init, so logits are
+    not flat), saved to directory `d` (fp32), with the default model's tokenizer files unless told not to."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+    hf.save_pretrained(d)
+    if tokenizer:
+        _copy_tokenizer(d)
+    return str(d)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """family -> directory with a random-weight checkpoint saved by transformers (fp32)."""
-    from transformers import AutoModelForCausalLM
-
     made: dict[str, str] = {}
 
     def make(family: str) -> str:
-        if family not in made:
-            torch.manual_seed(zlib.crc32(family.encode()) % 1000)  # stable across runs (str hash is salted)
-            hf = AutoModelForCausalLM.from_config(_tiny_config(family), dtype=torch.float32)
-            with torch.no_grad():  # larger weights than the default init, so logits are not flat
-                for p in hf.parameters():
-                    if p.dim() >= 2:
-                        p.normal_(0, 0.08)
-            d = tmp_path_factory.mktemp(family)
-            hf.save_pretrained(d)
-            _copy_tokenizer(d)
-            made[family] = str(d)
+        if family not in made:  # seeded by the name: stable across runs (str hash is salted)
+            made[family] = save_random_checkpoint(_tiny_config(family), tmp_path_factory.mktemp(family),
+                                                  zlib.crc32(family.encode()) % 1000)
         return made[family]
 
     return make

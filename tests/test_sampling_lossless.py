@@ -32,21 +32,14 @@ def test_verify_sampling_op_reproduces_p():
 
 
 def _tiny_small_vocab(tmp_path_factory):
-    from transformers import LlamaConfig, AutoModelForCausalLM
+    from transformers import LlamaConfig
 
+    from conftest import save_random_checkpoint
     from spd_fast.loading import load_hf_dir
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64)
-    hf = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    d = tmp_path_factory.mktemp("smallvocab")
-    hf.save_pretrained(d)
-    m = load_hf_dir(d)
+    m = load_hf_dir(save_random_checkpoint(cfg, tmp_path_factory.mktemp("smallvocab"), 0, std=0.3, tokenizer=False))
     m.setup_caches(1, 32)
     return m
 

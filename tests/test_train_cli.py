@@ -21,22 +21,11 @@ from spd_fast.train.__main__ import main as train_main
 def full_vocab_checkpoint(tmp_path_factory):
     """A tiny random Llama with the default tokenizer's whole 49,152-token vocabulary, so real text (chat
     templates, self-distillation prompts) tokenizes into it."""
-    from transformers import AutoModelForCausalLM
-
-    from conftest import _copy_tokenizer, _tiny_config
+    from conftest import _tiny_config, save_random_checkpoint
 
     cfg = _tiny_config("llama")
     cfg.vocab_size = 49152
-    torch.manual_seed(zlib.crc32(b"full") % 1000)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-    d = tmp_path_factory.mktemp("full")
-    hf.save_pretrained(d)
-    _copy_tokenizer(d)
-    return str(d)
+    return save_random_checkpoint(cfg, tmp_path_factory.mktemp("full"), zlib.crc32(b"full") % 1000)
 
 
 def run(argv, capsys) -> tuple[int, str]:
