@@ -68,7 +68,8 @@ def _sliced(rows: list[dict], sel: slice | None) -> list[dict]:
             pp = r["per_prompt"]
             if len(pp) < sel.stop:
                 raise SpdConfigError(f"--prompts {sel.start}:{sel.stop} needs {sel.stop} prompts per category, the "
-                                     f"run has {len(pp)} for {r['category']}; evaluate with --limit {sel.stop}")
+                                     f"run has {len(pp)} for {r['category']}; evaluate with --limit {sel.stop} (there are 40 "
+                                     f"prompts per category) or pick prompts below {len(pp)}")
             r = dict(r, per_prompt=pp[sel])
             cats.setdefault((r["n"], r["temperature"]), []).extend(r["per_prompt"])
         out.append(r)

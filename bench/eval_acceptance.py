@@ -18,13 +18,16 @@ from spd_fast.config import DEFAULT_LOOKUP
 
 
 def main(argv: list[str] | None = None) -> int:
+    from spd_fast.cli_common import float_list, int_list, positive_int
+    from spd_fast.config import SpdConfigError
     from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
+    from spd_fast.sampling import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default=None, help="head directory (default: the shipped head for each n)")
-    p.add_argument("--num-stages", default="3", help="comma-separated n values")
-    p.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0")
-    p.add_argument("--limit", type=int, default=40, help="prompts per category")
+    p.add_argument("--num-stages", type=int_list, default=[3], help="comma-separated n values")
+    p.add_argument("--temperatures", type=float_list, default=[0.0], help="comma-separated, e.g. 0,0.7,1.0")
+    p.add_argument("--limit", type=positive_int, default=40, help="prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
     p.add_argument("--threads", type=int, default=2)
@@ -34,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/acceptance")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    res = evaluate_acceptance([int(x) for x in a.num_stages.split(",")], [float(x) for x in a.temperatures.split(",")],
-                              a.limit, a.max_new_tokens, a.draft, with_ar=not a.no_ar, progress=False,
-                              on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed,
-                              lookup=a.lookup)
+    try:
+        for t in a.temperatures:  # before the model loads
+            SamplingParams(temperature=t)
+        res = evaluate_acceptance(a.num_stages, a.temperatures, a.limit, a.max_new_tokens, a.draft,
+                                  with_ar=not a.no_ar, progress=False,
+                                  on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed, lookup=a.lookup)
+    except SpdConfigError as e:
+        print(f"eval_acceptance.py: error: {e}", file=sys.stderr)
+        return 2
     write_results(res, a.out)
     print(markdown_table(res["rows"]))
     return 0

@@ -63,17 +63,19 @@ def stress(engines, prompts: list, max_new_tokens: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     import spd_fast
+    from spd_fast.cli_common import int_list, positive_int
+    from spd_fast.config import SpdConfigError
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="head directory (default: the shipped head for each n)")
-    p.add_argument("--num-stages", default="2,3,4,5,6", help="comma-separated n values")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-stages", type=int_list, default=[2, 3, 4, 5, 6], help="comma-separated n values")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--prompts", default=None,
                    help="a JSON file with a list of prompts (strings or chat-message lists) instead of the built-in ones")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="write OUT.json")
+    p.add_argument("--out", default=None, help="write OUT.json (OUT may end in .json)")
     a = p.parse_args(argv)
     prompts = PROMPTS
     if a.prompts:
@@ -86,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     rows = []
-    for n in (int(x) for x in a.num_stages.split(",")):
-        eng = spd_fast.load(a.model, a.draft, num_stages=n, progress=False, lookup=a.lookup)
-        rows += stress([(n, eng)], prompts, a.max_new_tokens)
+    try:
+        for n in a.num_stages:
+            eng = spd_fast.load(a.model, a.draft, num_stages=n, progress=False, lookup=a.lookup)
+            rows += stress([(n, eng)], prompts, a.max_new_tokens)
+    except SpdConfigError as e:
+        print(f"stress_exactness.py: error: {e}", file=sys.stderr)
+        return 2
     bad = [r for r in rows if not r["identical"]]
     summary = {"runs": len(rows), "identical": len(rows) - len(bad), "tokens": sum(r["ar_tokens"] for r in rows),
                "seconds": round(time.perf_counter() - t0, 1)}
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out + ".json").write_text(json.dumps({"summary": summary, "max_new_tokens": a.max_new_tokens,
+        out = Path(a.out.removesuffix(".json") + ".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"summary": summary, "max_new_tokens": a.max_new_tokens,
                                                      "prompts": prompts, "rows": rows}, indent=1,
                                                     ensure_ascii=False))
     print(f"{summary['identical']} of {summary['runs']} runs token-identical ({summary['tokens']} AR tokens, "

@@ -358,6 +358,14 @@ def test_benchmark_flag_selects_only_benchmarks():
     assert "test_cli.py::" not in r.stdout
 
 
+def test_benchmark_disable_skips_with_a_reason():
+    r = _pytest("--benchmark", "--benchmark-disable", "-q", "-rs", "tests/benchmarks/test_bench_ops.py", "-k", "torch",
+                SPD_BENCH_SHORT="1")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "passed" not in r.stdout and "failed" not in r.stdout
+    assert "--benchmark-disable: these tests only measure time" in r.stdout
+
+
 # ---- bench/report.py -----------------------------------------------------------------------------
 def _report_module():
     spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")

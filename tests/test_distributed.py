@@ -235,6 +235,23 @@ def test_bad_device_is_refused_before_joining():
         init_rank("meta")
 
 
+def test_boundaries_are_checked_before_joining():
+    """The checks that need no checkpoint come before any rank waits for the others (no torchrun here)."""
+    from spd_fast.config import SpdConfigError
+    from spd_fast.distributed.engine import load_distributed
+
+    with pytest.raises(SpdConfigError, match=r"num_stages=3 disagrees with boundaries \[0, 3, 6\], which make 2 "
+                                             r"stages; pass only one of them"):
+        load_distributed(num_stages=3, boundaries=[0, 3, 6])
+    with pytest.raises(SpdConfigError, match=r"stage boundaries \[0\] need at least two entries"):
+        load_distributed(boundaries=[0])
+    from spd_fast.distributed.engine import DistributedEngine
+
+    eng = DistributedEngine.__new__(DistributedEngine)  # stream() refuses before touching any rank state
+    with pytest.raises(SpdConfigError, match="placement='distributed' does not stream: use generate\\(\\)"):
+        eng.stream("hi")
+
+
 def test_world_size_must_equal_num_stages(tmp_path):
     job = Job(tmp_path, 2, [*HEAD_ARGS, "--num-stages", "3", "Hi"])
     job.wait(120)

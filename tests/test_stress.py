@@ -65,3 +65,35 @@ def test_stress_refuses_bad_prompt_files(tmp_path, capsys, content, message):
     with pytest.raises(SystemExit) as e:
         stress.main(["--prompts", str(f)])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_scripts_give_one_line_errors(capsys, monkeypatch, tmp_path):
+    """Bad options of the stress and eval scripts: exit 2 and one line, before anything long runs."""
+    import spd_fast
+
+    espec = importlib.util.spec_from_file_location("bench_eval", REPO / "bench" / "eval_acceptance.py")
+    ev = importlib.util.module_from_spec(espec)
+    espec.loader.exec_module(ev)
+    for script, argv, message in [(stress, ["--num-stages", "2,x"], "expected a comma-separated list like 2,3,5"),
+                                  (ev, ["--num-stages", "2,x"], "expected a comma-separated list like 2,3,5"),
+                                  (ev, ["--limit", "0"], "expected a positive integer, got 0")]:
+        with pytest.raises(SystemExit) as e:
+            script.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    loads = []
+    monkeypatch.setattr(spd_fast, "load", lambda *a, **k: loads.append(a))
+    assert ev.main(["--temperatures", "-1", "--limit", "1", "--no-ar"]) == 2
+    assert "eval_acceptance.py: error: temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert ev.main(["--limit", "41", "--no-ar"]) == 2
+    assert "limit 41 is more than the 40 chat prompts there are" in capsys.readouterr().err
+    assert loads == []  # refused before any model loaded
+
+    def bad_load(*a, **k):
+        raise spd_fast.SpdConfigError("num_stages=40 exceeds the model's 30 layers")
+
+    monkeypatch.setattr(spd_fast, "load", bad_load)
+    assert stress.main(["--num-stages", "40"]) == 2
+    assert capsys.readouterr().err.strip() == "stress_exactness.py: error: num_stages=40 exceeds the model's 30 layers"
+    monkeypatch.setattr(spd_fast, "load", lambda *a, **k: _Engine([1, 2], [1, 2]))
+    assert stress.main(["--num-stages", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["identical"] == len(stress.PROMPTS)

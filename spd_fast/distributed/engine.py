@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_lookup, uniform_boundaries,
-                      validate_boundaries, validate_num_stages)
+from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_layer_indices, check_lookup,
+                      uniform_boundaries, validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -116,6 +116,10 @@ class DistributedEngine:
         outs = self.run_requests(reqs)
         return outs[0] if single else outs
 
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole output "
+                             "on rank 0, or a single-process engine for stream()")
+
     def run_requests(self, reqs: Sequence[Request]) -> Any:
         """Token-id requests (call on every rank; rank 0's list is the one that counts)."""
         from ..api import GenerationOutput
@@ -158,6 +162,14 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
     tdtype = parse_dtype(dtype)
     if not isinstance(max_len, int) or max_len < 8:
         raise SpdConfigError(f"max_len must be an integer >= 8, got {max_len!r}")
+    if boundaries is not None:  # the checks load() makes that need no checkpoint, before any rank waits
+        boundaries = check_layer_indices(boundaries, "stage boundaries", [0, 15, 30])
+        if len(boundaries) < 2:
+            raise SpdConfigError(f"stage boundaries {list(boundaries)} need at least two entries (0 and the number "
+                                 f"of layers), e.g. [0, 15, 30]")
+        if num_stages is not None and num_stages != len(boundaries) - 1:
+            raise SpdConfigError(f"num_stages={num_stages!r} disagrees with boundaries {list(boundaries)}, which make "
+                                 f"{len(boundaries) - 1} stages; pass only one of them")
     ctx = init_rank(device, timeout, startup_timeout)
     W = ctx.world_size
     requested = len(boundaries) - 1 if boundaries is not None else (W if num_stages is None else num_stages)
