@@ -148,7 +148,7 @@ def speed_section(found: dict[str, Any], out: Path) -> list[str]:
     if ar is not None:
         lines.append(f"| AR | - | {ar:.1f} | 1.00x |")
     for n, v in spd:
-        lines.append(f"| SPD | {n} | {v:.1f} | {(v / ar if ar else float('nan')):.2f}x |")
+        lines.append(f"| SPD | {n} | {v:.1f} | {f'{v / ar:.2f}x' if ar else 'no AR in this run'} |")
     return lines
 
 

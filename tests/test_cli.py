@@ -399,6 +399,16 @@ def test_report_builds_markdown_and_plots(tmp_path):
     assert "`bench.json` not found" in text and "1.30x HF" in text and "| overall |" in text
 
 
+def test_report_speed_table_without_an_ar_baseline(tmp_path):
+    _synthetic_results(tmp_path)
+    data = json.loads((tmp_path / "acceptance.json").read_text())
+    for r in data["rows"]:  # an eval run with --no-ar
+        r.pop("ar_tokens_per_s", None), r.pop("speedup_vs_ar", None)
+    (tmp_path / "acceptance.json").write_text(json.dumps(data))
+    text = _report_module().write_report(tmp_path, tmp_path / "out").read_text()
+    assert "| SPD | 2 | 7.0 | no AR in this run |" in text and "nan" not in text
+
+
 def test_report_with_no_results(tmp_path):
     assert _report_module().main(["--results", str(tmp_path)]) == 0
     text = (tmp_path / "REPORT.md").read_text()
