@@ -112,8 +112,12 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             if rest not in _LAYER_NAMES:
                 continue
             name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        elif t.name == "rope_freqs.weight":  # llama.cpp's Llama-3.1+ RoPE scaling factors
+            raise CheckpointError(f"{path} stores RoPE frequency factors (Llama-3.1-style RoPE scaling), which spd_fast "
+                                  f"does not rebuild from a GGUF, so its logits would be wrong; load the model's "
+                                  f"Hugging Face checkpoint directory instead (config.json keeps rope_scaling)")
         else:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue
         try:
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:

@@ -195,10 +195,21 @@ class DraftConfig:
     @staticmethod
     def from_json(text: str) -> "DraftConfig":
         d: dict[str, Any] = json.loads(text)
+        if not isinstance(d, dict):
+            raise TypeError(f"a draft head config is a JSON object, not a {type(d).__name__}")
         if d.get("format_version") != FORMAT_VERSION:
             raise DraftMismatchError(
-                f"draft head format version {d.get('format_version')} is not supported (expected {FORMAT_VERSION})")
+                f"draft head format version {d.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
+        if not isinstance(d.get("weights", WEIGHTS_FILE), str):
+            raise TypeError(f"'weights' must be a file name, got {d['weights']!r}")
+        if d.get("num_stages") != len(d["boundaries"]) - 1:
+            raise TypeError(f"num_stages {d.get('num_stages')!r} disagrees with boundaries {list(d['boundaries'])}")
+        for k in ("num_layers", "draft_vocab_size", "base_hidden_size", "base_num_layers", "base_vocab_size"):
+            if k in d and (not isinstance(d[k], int) or isinstance(d[k], bool)):
+                raise TypeError(f"{k} must be an integer, got {d[k]!r}")
+        if not isinstance(d.get("frozen_lm_head", True), bool):
+            raise TypeError(f"frozen_lm_head must be true or false, got {d['frozen_lm_head']!r}")
         return DraftConfig(**d)
 
 
@@ -326,8 +337,10 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     if not cfg_file.is_file():
         raise not_a_head
     try:
-        dcfg = DraftConfig.from_json(cfg_file.read_text())
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        dcfg = DraftConfig.from_json(cfg_file.read_text(encoding="utf-8"))
+    except DraftMismatchError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # ValueError: bad JSON or not UTF-8
         raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({type(e).__name__}: {e}); "
                                  "re-save the head or point draft= at another one") from e
     if not (path / dcfg.weights).is_file():
@@ -354,7 +367,16 @@ def load_draft(path: str | Path, target, fingerprint: str,
     except Exception as e:
         raise DraftMismatchError(f"cannot read {w_file} ({e}); the file is truncated or corrupt") from e
     head = DraftHead(dcfg, target_cfg, target.norm)
-    missing, unexpected = head.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than the config says
+        raise DraftMismatchError(f"{w_file} does not match its config ({str(e).splitlines()[-1].strip()}); "
+                                 f"re-save the head") from None
+    dv = head.draft_vocab
+    if (dv.dtype.is_floating_point or dv.numel() != dcfg.draft_vocab_size or int(dv.min()) < 0
+            or int(dv.max()) >= target_cfg.vocab_size or int(dv.unique().numel()) != dv.numel()):
+        raise DraftMismatchError(f"{w_file}: its draft_vocab must hold {dcfg.draft_vocab_size} distinct token ids of "
+                                 f"the model (0..{target_cfg.vocab_size - 1}); re-save the head")
     if dcfg.frozen_lm_head and "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
         with torch.no_grad():

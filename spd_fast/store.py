@@ -89,8 +89,12 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
 
     with status(f"converting {path.name} into {out} (once)", enabled=progress):
         cfg, sd = read_gguf(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        except OSError as e:
+            raise ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
+                                     f"to a writable directory with room for it") from None
         try:
             sd = {k: v.contiguous() for k, v in sd.items()}
             if cfg["tie_word_embeddings"]:
@@ -122,6 +126,9 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
             except OSError:
                 if not (out / "spd_fast_converted.json").is_file():
                     raise
+        except OSError as e:  # a full disk while writing
+            raise ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
+                                     f"to a writable directory with room for it") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -133,6 +133,49 @@ def test_garbage_gguf(tmp_path):
         read_gguf(f)
 
 
+def _tiny_gguf(path, rope_freqs: bool) -> None:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    H, V, F = 64, 97, 96
+    w.add_context_length(512), w.add_embedding_length(H), w.add_block_count(1), w.add_feed_forward_length(F)
+    w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(V)
+    r = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", (r.standard_normal((V, H)) * 0.05).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    if rope_freqs:  # how llama.cpp stores Llama-3.1 RoPE scaling
+        w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 8).astype(np.float32))
+    for n, shape in [("attn_norm.weight", (H,)), ("ffn_norm.weight", (H,)), ("attn_q.weight", (H, H)),
+                     ("attn_k.weight", (32, H)), ("attn_v.weight", (32, H)), ("attn_output.weight", (H, H)),
+                     ("ffn_gate.weight", (F, H)), ("ffn_up.weight", (F, H)), ("ffn_down.weight", (H, F))]:
+        w.add_tensor("blk.0." + n, (r.standard_normal(shape) * 0.05).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_gguf_with_rope_frequency_factors_is_refused(tmp_path):
+    from spd_fast.gguf_loader import read_gguf
+
+    _tiny_gguf(tmp_path / "plain.gguf", rope_freqs=False)
+    assert read_gguf(tmp_path / "plain.gguf")[0]["num_hidden_layers"] == 1
+    _tiny_gguf(tmp_path / "l3.gguf", rope_freqs=True)
+    with pytest.raises(SpdConfigError, match=r"l3.gguf stores RoPE frequency factors \(Llama-3.1-style RoPE scaling\)"
+                                             r".*load the model's Hugging Face checkpoint directory instead"):
+        read_gguf(tmp_path / "l3.gguf")
+
+
+def test_unwritable_conversion_cache(tmp_path, monkeypatch):
+    from spd_fast.store import convert_gguf
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False)
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(SpdConfigError, match=r"cannot write the converted model into .*afile.* set SPD_FAST_CACHE "
+                                             r"to a writable directory"):
+        convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tmp_path)
+
+
 def test_prompt_longer_than_cache(tiny_checkpoint):
     m = tiny_target(tiny_checkpoint("llama"), max_len=32)
     with pytest.raises(SpdConfigError, match="exceeds the KV cache length 32.*larger max_len"):
@@ -329,6 +372,51 @@ def test_cpu_device_spellings_and_missing_draft_dir(tiny_checkpoint, tmp_path):
             with pytest.raises(SpdConfigError, match=rf"draft_config.json is not a valid draft head config \({what}"
                                                      r".*re-save the head or point draft= at another one"):
                 spd_fast.load(model=tiny_checkpoint("llama"), draft=str(bad), progress=False, **kw)
+
+
+def test_damaged_head_files_are_named(tiny_checkpoint, tmp_path):
+    """A head directory whose config or weights do not fit: one DraftMismatchError line, not a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from spd_fast.pdm import DraftConfig, DraftHead, init_from_target, load_draft
+    from spd_fast.runtime import load_target
+
+    tg = load_target(tiny_checkpoint("llama"), progress=False)
+    m = tg.model
+    good = tmp_path / "good"
+    init_from_target(DraftHead(DraftConfig.make(m.cfg, (0, 3, 6), None, 1, 50, tg.fingerprint), m.cfg, m.norm),
+                     m).save(good)
+    cfg, sd = json.loads((good / "draft_config.json").read_text()), load_file(str(good / "draft.safetensors"))
+    assert load_draft(good, m, tg.fingerprint).draft_vocab.numel() == 50
+
+    def broken(name, config=None, raw=None, tensors=None):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        if raw is not None:
+            (d / "draft_config.json").write_bytes(raw)
+        elif config is not None:
+            (d / "draft_config.json").write_text(json.dumps(config))
+        if tensors is not None:
+            save_file(tensors, str(d / "draft.safetensors"))
+        return d
+
+    for d, msg in [
+        (broken("list", raw=b"[1, 2]"), r"not a valid draft head config \(TypeError: a draft head config is a JSON object"),
+        (broken("bytes", raw=b"\xff\xfe{}"), r"not a valid draft head config \(UnicodeDecodeError"),
+        (broken("weights", {**cfg, "weights": 5}), r"'weights' must be a file name, got 5"),
+        (broken("n", {**cfg, "num_stages": 3}), r"num_stages 3 disagrees with boundaries \[0, 3, 6\]"),
+        (broken("frozen", {**cfg, "frozen_lm_head": "no"}), r"frozen_lm_head must be true or false, got 'no'"),
+        (broken("hidden", {**cfg, "base_hidden_size": "64"}), r"base_hidden_size must be an integer, got '64'"),
+        (broken("version", {**cfg, "format_version": "1"}), r"format version '1' is not supported \(expected 1\)"),
+        (broken("shape", {**cfg, "draft_vocab_size": 40}), r"draft.safetensors does not match its config \(.*size "
+                                                          r"mismatch.*\); re-save the head"),
+        (broken("neg", tensors={**sd, "draft_vocab": torch.cat([torch.tensor([-1]), sd["draft_vocab"][1:]])}),
+         r"its draft_vocab must hold 50 distinct token ids of the model \(0..96\)"),
+        (broken("dup", tensors={**sd, "draft_vocab": torch.cat([sd["draft_vocab"][:1], sd["draft_vocab"][:-1]])}),
+         r"its draft_vocab must hold 50 distinct token ids"),
+    ]:
+        with pytest.raises(SpdConfigError, match=msg):
+            load_draft(d, m, tg.fingerprint)
 
 
 def test_cuda_device_without_gpu():
