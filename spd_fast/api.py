@@ -10,8 +10,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_capacity, check_max_new_tokens
-from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, uniform_boundaries,
-                     validate_boundaries, validate_num_stages)
+from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, check_stage_count,
+                     uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
 from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
@@ -243,9 +243,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     L = target.cfg.num_layers
     if boundaries is not None:
         b = validate_boundaries(boundaries, L)
-        if num_stages is not None and num_stages != len(b) - 1:
-            raise SpdConfigError(f"num_stages={num_stages!r} disagrees with boundaries {list(b)}, which make "
-                                 f"{len(b) - 1} stages; pass only one of them")
+        check_stage_count(num_stages, b)
         num_stages = len(b) - 1
     else:
         num_stages = DEFAULT_NUM_STAGES if num_stages is None else num_stages

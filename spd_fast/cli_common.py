@@ -43,6 +43,7 @@ def _list_of(conv: Callable[[str], Any], example: str) -> Callable[[str], list]:
 
 
 int_list = _list_of(positive_int, "2,3,5")
+layer_list = _list_of(non_negative_int, "0,10,20,30")  # stage boundaries, anchors
 float_list = _list_of(float, "0,0.7")
 
 

@@ -5,7 +5,7 @@ import json
 import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 # model_type -> (qkv bias, q/k RMSNorm). Everything else is read from config.json.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -166,6 +166,13 @@ def validate_num_stages(num_layers: int, num_stages: int) -> None:
     if num_stages > num_layers:
         raise SpdConfigError(
             f"num_stages={num_stages} exceeds the model's {num_layers} layers; use 1 <= num_stages <= {num_layers}")
+
+
+def check_stage_count(num_stages: Any, boundaries: Sequence[int]) -> None:
+    """num_stages, when given beside boundaries, must be the number of stages they make."""
+    if num_stages is not None and num_stages != len(boundaries) - 1:
+        raise SpdConfigError(f"num_stages={num_stages!r} disagrees with boundaries {list(boundaries)}, which make "
+                             f"{len(boundaries) - 1} stages; pass only one of them")
 
 
 def validate_boundaries(boundaries: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:

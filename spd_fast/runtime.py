@@ -137,6 +137,15 @@ def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype
     return Target(net, tok, path, _eos_ids(path, net.cfg, tok), fp)
 
 
+def chat_ids(tokenizer: Any, messages: list, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template (transformers 5 returns a BatchEncoding,
+    earlier versions a list)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """A str is raw text; a list of {"role", "content"} dicts goes through the chat template."""
     if isinstance(prompt, str):
@@ -155,13 +164,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         if getattr(tokenizer, "chat_template", None) is None:
             raise SpdConfigError("this model's tokenizer has no chat template; pass the prompt as a plain string")
         try:
-            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            ids = chat_ids(tokenizer, prompt)
         except Exception as e:  # jinja's TemplateError: a template that refuses this message order or role
             raise SpdConfigError(f"the model's chat template rejects these messages ({type(e).__name__}: {e}); "
                                  f"change the messages to the order and roles it accepts, or pass a plain string") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
     else:
         raise SpdConfigError(
             f"prompt must be a str or a list of {{'role', 'content'}} dicts, got {type(prompt).__name__}")

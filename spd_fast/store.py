@@ -87,14 +87,17 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
     from .gguf_loader import read_gguf
     from .progress import status
 
+    def unwritable(e: OSError) -> ModelNotFoundError:
+        return ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
+                                  f"to a writable directory with room for it")
+
     with status(f"converting {path.name} into {out} (once)", enabled=progress):
         cfg, sd = read_gguf(path)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
         except OSError as e:
-            raise ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
-                                     f"to a writable directory with room for it") from None
+            raise unwritable(e) from None
         try:
             sd = {k: v.contiguous() for k, v in sd.items()}
             if cfg["tie_word_embeddings"]:
@@ -127,8 +130,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                 if not (out / "spd_fast_converted.json").is_file():
                     raise
         except OSError as e:  # a full disk while writing
-            raise ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
-                                     f"to a writable directory with room for it") from None
+            raise unwritable(e) from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

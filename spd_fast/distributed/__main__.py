@@ -13,6 +13,8 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..cli_common import layer_list
+
     p = argparse.ArgumentParser(prog="python -m spd_fast.distributed",
                                 description="Speculative pipeline decoding with one stage per torch.distributed "
                                 "rank. Launch with torchrun (one process per stage); rank 0 prints the output.")
@@ -35,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the full vocabulary)")
     p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")
     p.add_argument("--num-stages", type=int, help="must equal the number of processes (default: the world size)")
-    p.add_argument("--boundaries", help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
-    p.add_argument("--anchors", help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
+    p.add_argument("--boundaries", type=layer_list, help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
+    p.add_argument("--anchors", type=layer_list,
+                   help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per local rank)")
     p.add_argument("--max-len", type=int, default=2048)
@@ -91,17 +94,6 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
     return reqs
 
 
-def _ints(text: str | None, flag: str) -> list[int] | None:
-    from ..config import SpdConfigError
-
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpdConfigError(f"{flag} must be comma-separated layer indices like 0,15,30, got {text!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -111,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
-                           boundaries=_ints(args.boundaries, "--boundaries"), anchors=_ints(args.anchors, "--anchors"),
+                           boundaries=args.boundaries, anchors=args.anchors,
                            draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
                            max_len=args.max_len, seed=args.seed_head, progress=not args.json,
                            timeout=args.timeout, startup_timeout=args.startup_timeout,

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_layer_indices, check_lookup,
-                      uniform_boundaries, validate_boundaries, validate_num_stages)
+                      check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -167,9 +167,7 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
         if len(boundaries) < 2:
             raise SpdConfigError(f"stage boundaries {list(boundaries)} need at least two entries (0 and the number "
                                  f"of layers), e.g. [0, 15, 30]")
-        if num_stages is not None and num_stages != len(boundaries) - 1:
-            raise SpdConfigError(f"num_stages={num_stages!r} disagrees with boundaries {list(boundaries)}, which make "
-                                 f"{len(boundaries) - 1} stages; pass only one of them")
+        check_stage_count(num_stages, boundaries)
     ctx = init_rank(device, timeout, startup_timeout)
     W = ctx.world_size
     requested = len(boundaries) - 1 if boundaries is not None else (W if num_stages is None else num_stages)

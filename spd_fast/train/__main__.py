@@ -13,9 +13,7 @@ import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import _list_of, non_negative_int, positive_int
-
-    layers = _list_of(non_negative_int, "0,10,20,30")
+    from ..cli_common import layer_list, non_negative_int, positive_int
 
     def non_negative_float(text: str) -> float:
         try:
@@ -31,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
     p.add_argument("--num-stages", type=positive_int, default=None,
                    help="n (default: len(--boundaries) - 1 when they are given, else 3)")
-    p.add_argument("--boundaries", type=layers, help="e.g. 0,10,20,30")
-    p.add_argument("--anchors", type=layers, help="default: the boundaries")
+    p.add_argument("--boundaries", type=layer_list, help="e.g. 0,10,20,30")
+    p.add_argument("--anchors", type=layer_list, help="default: the boundaries")
     p.add_argument("--draft-layers", type=positive_int, default=1, help="L_s, decoder layers of the head")
     p.add_argument("--draft-vocab", type=positive_int, default=16384, help="draft vocabulary size V_d")
     p.add_argument("--train-lm-head", action="store_true",

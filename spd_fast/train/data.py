@@ -9,8 +9,9 @@ from typing import Iterator, Sequence
 import torch
 
 from ..batch_generate import generate_batch
+from ..config import SpdConfigError
 from ..progress import bar
-from ..runtime import Target
+from ..runtime import Target, chat_ids
 from ..sampling import SamplingParams
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
@@ -19,8 +20,6 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 def read_jsonl(path: str | Path) -> list[dict]:
     """Rows of a .jsonl file, or of a gzip-compressed .jsonl.gz one. A line that is not a JSON object is an
     error naming the file and line."""
-    from ..config import SpdConfigError
-
     opener = gzip.open if str(path).lower().endswith(".gz") else open
     rows = []
     with opener(path, "rt", encoding="utf-8") as f:
@@ -41,8 +40,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:
     """{"id", "prompt"} records; default: the project's training prompt set."""
-    from ..config import SpdConfigError
-
     path = Path(path) if path else PROMPTS_DIR / "train.jsonl"
     if not path.is_file():
         raise SpdConfigError(f"prompt file {path} does not exist; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
@@ -62,8 +59,6 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     settings; answers made with others (another model, max_new_tokens, temperature or seed), or to another
     prompt under the same id, are an error rather than silently reused.
     """
-    from ..config import SpdConfigError
-
     out_path = Path(out_path)
     meta_path = out_path.with_name(out_path.name + ".meta.json")
     meta = {"fingerprint": target.fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
@@ -145,18 +140,9 @@ DATA_FORMATS = ".jsonl, .jsonl.gz, .json (a list of rows), .parquet (a \"text\" 
 ROW_KEYS = '"messages" (chat), "text", or "prompt_ids" + "response_ids" (token ids)'
 
 
-def _chat_ids(tokenizer, msgs: list, add_generation_prompt: bool = False) -> list[int]:
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Iterator[dict]:
     """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
     the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
-    from ..config import SpdConfigError
-
     if "prompt_ids" in rec:
         if not isinstance(rec.get("response_ids"), list) or not isinstance(rec["prompt_ids"], list):
             raise SpdConfigError(f"{where}: \"prompt_ids\" and \"response_ids\" must both be lists of token ids")
@@ -171,8 +157,8 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Ite
             raise SpdConfigError(f"{where}: the chat has no assistant message after a user message, so there is "
                                  f"nothing to train on; the loss is taken on assistant turns")
         for j, k in enumerate(turns):
-            prompt = _chat_ids(target.tokenizer, msgs[:k], add_generation_prompt=True)
-            full = _chat_ids(target.tokenizer, msgs[: k + 1])
+            prompt = chat_ids(target.tokenizer, msgs[:k])
+            full = chat_ids(target.tokenizer, msgs[: k + 1], add_generation_prompt=False)
             if full[: len(prompt)] != prompt:
                 raise SpdConfigError(f"{where}: the chat template does not extend the conversation's tokens when "
                                      f"a turn is added, so the assistant turn cannot be cut out; use \"text\" rows")
@@ -189,8 +175,6 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     assistant turns), {"text": ...} or {"prompt_ids", "response_ids"}; .parquet with a "text" column; or a
     plain .txt file (one sample per blank-line-separated block). Suffixes are matched in any case; other
     compressed files and unknown suffixes are refused."""
-    from ..config import SpdConfigError
-
     path = Path(path)
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz", ".json")):
@@ -203,12 +187,10 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
                                      f"(or use .jsonl, one row per line)") from None
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
                 raise SpdConfigError(f"{path}: a .json data file must hold a list of JSON objects (rows)")
-            where = lambda i: f"{path}, row {i + 1}"  # noqa: E731
         else:
             rows = read_jsonl(path)
-            where = lambda i: f"{path}, row {i + 1}"  # noqa: E731
         for i, rec in enumerate(rows):
-            yield from row_samples(rec, where(i), stem, i, target)
+            yield from row_samples(rec, f"{path}, row {i + 1}", stem, i, target)
     elif path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst", ".zip"):
         raise SpdConfigError(f"data file {path}: only .jsonl.gz is read compressed; decompress it first "
                              "(or gzip a .jsonl file)")
@@ -233,8 +215,6 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
 
 def read_val_samples(paths: Sequence[str | Path], target: Target) -> list[dict]:
     """Held-out samples from the given files (any format text_file_samples reads), in order."""
-    from ..config import SpdConfigError
-
     out: list[dict] = []
     for src in paths:
         if not Path(src).is_file():
