@@ -1,6 +1,9 @@
 """The public API: load(), generate(), stream()."""
 from __future__ import annotations
 
+import functools
+import inspect
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +28,25 @@ METHODS = ("spd", "ar")
 # the cycle as a CUDA graph; devices: one stage per GPU (spd_fast/pipeline.py); distributed: one stage
 # per torchrun rank (spd_fast/distributed/)
 PLACEMENTS = ("local", "sequential", "streams", "devices", "distributed")
+
+
+def _plain_numbers(fn):
+    """Let numpy (or other numbers-ABC) scalars stand for ints and floats in the keyword settings:
+    they are turned into plain Python numbers before the checks and before they reach metrics/JSON."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind_partial(*args, **kwargs)
+        for k, v in bound.arguments.items():
+            if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real):
+                continue
+            if type(v).__name__.startswith("bool"):  # numpy.bool_: a flag, not a count; leave it to the checks
+                continue
+            bound.arguments[k] = int(v) if isinstance(v, numbers.Integral) else float(v)
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -112,6 +134,7 @@ class Engine:
         yield from runner.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
         self._last = (runner.last_finished_by_eos, dict(runner.last_metrics))
 
+    @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd"
                  ) -> GenerationOutput | list[GenerationOutput]:
@@ -130,6 +153,7 @@ class Engine:
             outs.append(GenerationOutput(self.target.decode(toks), toks, len(ids), finished, metrics))
         return outs[0] if single else outs
 
+    @_plain_numbers
     def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, method: str = "spd") -> Iterator[str]:
         """Yield verified text as it is committed (held back while a multi-byte character is incomplete).
@@ -195,6 +219,7 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
 _EXAMPLE_SPLIT = [0, 10, 20, 30]  # for messages before the model is loaded: the embedded model at n=3
 
 
+@_plain_numbers
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, num_stages: int | None = None,
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int | None = None,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
@@ -307,6 +332,7 @@ def _cached_engine(**kw: Any) -> Engine:
     return _ENGINES[key]
 
 
+@_plain_numbers
 def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
@@ -324,6 +350,7 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
 
 
+@_plain_numbers
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",

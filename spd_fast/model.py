@@ -226,13 +226,16 @@ class Transformer(nn.Module):
                 and self.layers[0].attn.k_cache.shape[0] >= max_batch:
             return
         shape = (max_batch, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
-        for layer in self.layers:  # each layer's cache lives with its weights (placement="devices")
-            dev = layer.attn.wqkv.weight.device
-            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
-            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+        # Normal tensors even when called under inference mode (the engine's decoder): an inference
+        # tensor could never again be written, or read by a graph-recording op, outside it.
+        with torch.inference_mode(False):
+            for layer in self.layers:  # each layer's cache lives with its weights (placement="devices")
+                dev = layer.attn.wqkv.weight.device
+                layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+                layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+            cos, sin = rope_tables(cfg, max_len + 1)
+            self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
         self.max_len = max_len
-        cos, sin = rope_tables(cfg, max_len + 1)
-        self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
         self.__dict__["_rope_by_device"] = {}
 
     def rope_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

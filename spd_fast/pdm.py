@@ -258,11 +258,12 @@ class DraftHead(nn.Module):
     def setup_cache(self, max_len: int) -> None:
         shape = (1, self.tcfg.num_kv_heads, max_len + 1, self.tcfg.head_dim)
         p = self.lm_head.weight
-        for layer in self.layers:
-            layer.attn.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            layer.attn.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        cos, sin = rope_tables(self.tcfg, max_len + 1)
-        self.rope_cos, self.rope_sin = cos.to(p.device), sin.to(p.device)
+        with torch.inference_mode(False):  # normal tensors, as in Transformer.setup_caches
+            for layer in self.layers:
+                layer.attn.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                layer.attn.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            cos, sin = rope_tables(self.tcfg, max_len + 1)
+            self.rope_cos, self.rope_sin = cos.to(p.device), sin.to(p.device)
         self.max_len = max_len
 
     def rope_cos_train(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

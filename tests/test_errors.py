@@ -504,3 +504,25 @@ def test_a_prompt_too_long_for_the_cache_fails_before_any_decoding(default_targe
     with pytest.raises(SpdConfigError, match="exceeds the KV cache length 1024"):
         eng.stream(long, 20, method=method)  # at the call, not at the first next()
     assert decoded == []
+
+
+def test_numpy_scalars_stand_for_plain_numbers(tiny_checkpoint, default_target):
+    """A count or setting computed with numpy works like the plain number, and stays JSON-safe."""
+    np = pytest.importorskip("numpy")
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    tiny = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", num_stages=np.int64(2),
+                         max_len=np.int32(64), seed=np.int64(0), lookup=np.int8(2), progress=False)
+    assert tiny.num_stages == 2 and type(tiny.num_stages) is int
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    ref = eng.generate("Hi", max_new_tokens=5, temperature=0.8, top_k=4, seed=3)
+    got = eng.generate("Hi", max_new_tokens=np.int64(5), temperature=np.float32(0.8), top_k=np.int16(4),
+                       seed=np.uint8(3))
+    assert got.token_ids == ref.token_ids
+    json.dumps(got.metrics)
+    assert "".join(eng.stream("Hi", max_new_tokens=np.int64(5))) == eng.generate("Hi", max_new_tokens=5).text
+    for bad in (np.float32(2.0), np.float64(2.0)):  # still refused: a count must be an integer
+        with pytest.raises(SpdConfigError, match=r"max_new_tokens must be an integer >= 1, got .*2\.0"):
+            eng.generate("Hi", max_new_tokens=bad)

@@ -42,6 +42,24 @@ def test_incremental_decode_matches_full_forward(tiny_checkpoint):
     torch.testing.assert_close(torch.stack(steps), full[0, 30:], atol=1e-5, rtol=1e-5)
 
 
+def test_caches_made_under_inference_mode_work_outside_it(tiny_checkpoint):
+    """The engine sets caches up inside inference mode; the same model must still decode, and
+    train (rope tables saved for backward), outside it, as when a script trains after generating."""
+    from spd_fast.loading import load_hf_dir
+
+    m = load_hf_dir(tiny_checkpoint("llama"))
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(9)[None]
+    with torch.inference_mode():
+        m.setup_caches(1, 32)
+        ref = m(ids, pos)
+    torch.testing.assert_close(m(ids, pos), ref, atol=0, rtol=0)
+    x = m.embed_tokens(ids).detach().requires_grad_(True)
+    h, _ = m.run_layers(x, pos, 0, len(m.layers))
+    h.square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("boundaries", [(0, 6), (0, 3, 6), (0, 1, 2, 3, 4, 5, 6), (0, 1, 5, 6), (0, 4, 6)],
                          ids=["n1", "n2", "n6", "uneven-1-4-1", "uneven-4-2"])
 def test_staged_forward_equals_unstaged(tiny_checkpoint, boundaries):
