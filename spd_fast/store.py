@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from .config import SpdConfigError
@@ -78,7 +79,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
     tokenizer files instead of rebuilding them from the GGUF, which needs transformers' GGUF
     support (the `gguf` package at a version it accepts): for machines that have neither."""
     out = cache_root() / "models" / _gguf_key(path)
-    if (out / "spd_fast_converted.json").is_file():
+    if _finished(out):
         return out
     import torch
     from safetensors.torch import save_file
@@ -116,22 +117,62 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                     shutil.copyfile(Path(tokenizer_from) / f, tmp / f)
             else:
                 AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
-            (tmp / "spd_fast_converted.json").write_text(json.dumps(
+            (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path), "format": _FORMAT, "torch": torch.__version__}))
-            # several processes may convert at once (the ranks of a first distributed run): the
-            # first to finish wins, the others keep its directory, which may already be in use
-            if (out / "spd_fast_converted.json").is_file():
-                return out
-            if out.exists():  # a partial directory left by a killed writer
-                shutil.rmtree(out)
-            try:
-                tmp.rename(out)
-            except OSError:
-                if not (out / "spd_fast_converted.json").is_file():
-                    raise
+            _publish(tmp, out)
         except OSError as e:  # a full disk while writing
             raise unwritable(e) from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+    _prune_older_conversions(path, out)
     return out
+
+
+_MARKER = "spd_fast_converted.json"  # written last into a conversion: its directory is complete
+
+
+def _finished(d: Path) -> bool:
+    return (d / _MARKER).is_file()
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion `tmp` to `out`. Several processes may convert at once (the ranks of
+    a first distributed run): the first to finish wins, and the others keep its directory, which may
+    already be in use; only a directory without the marker (a killed writer's) is replaced."""
+    if _finished(out):
+        return
+    if out.exists():
+        # move it aside first (atomic), then look again: a winner may have published in between
+        stale = out.parent / f".stale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            out.rename(stale)
+        except FileNotFoundError:
+            pass
+        else:
+            if _finished(stale):
+                try:
+                    stale.rename(out)  # a winner's directory after all: put it back
+                    return
+                except OSError:  # yet another winner took the place meanwhile
+                    pass
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not _finished(out):
+            raise
+
+
+def _prune_older_conversions(path: Path, keep: Path) -> None:
+    """Drop conversions of earlier versions of the same GGUF path (a reinstall changes its mtime, so the
+    cache key): each holds a full copy of the model. Other models' conversions are left alone."""
+    for d in keep.parent.iterdir():
+        if d == keep or d.name.startswith(".") or not _finished(d):
+            continue
+        try:
+            source = json.loads((d / _MARKER).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if source == str(path):
+            shutil.rmtree(d, ignore_errors=True)

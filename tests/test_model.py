@@ -145,6 +145,68 @@ def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypa
     assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())["eos_token_id"] == 2
 
 
+def _fake_conversion(monkeypatch, tmp_path):
+    """A GGUF conversion with the reading and the tokenizer replaced (the publishing logic is real)."""
+    import transformers
+
+    from spd_fast import gguf_loader, store
+
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: (
+        {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}))
+
+    class Tok:
+        def save_pretrained(self, d):
+            pass
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    return store
+
+
+def test_gguf_conversion_keeps_a_winner_that_publishes_while_a_partial_directory_is_replaced(tmp_path, monkeypatch):
+    """The window between seeing a partial directory and replacing it: if another process publishes
+    its finished conversion there meanwhile, that directory is kept (it may already be loading)."""
+    import json
+
+    store = _fake_conversion(monkeypatch, tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not read")
+    out = store.cache_root() / "models" / store._gguf_key(gguf)
+    out.mkdir(parents=True)
+    (out / "winner.txt").write_text("first")
+    (out / "spd_fast_converted.json").write_text(json.dumps({"source": str(gguf)}))
+    real, seen = store._finished, []
+
+    def finished(d):  # the first two looks (on entry, before publishing) still see it partial
+        seen.append(d)
+        return real(d) if len(seen) > 2 else False
+
+    monkeypatch.setattr(store, "_finished", finished)
+    assert store.convert_gguf(gguf, progress=False) == out
+    assert (out / "winner.txt").read_text() == "first" and not (out / "model.safetensors").exists()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # nothing moved aside or temporary is left
+
+
+def test_gguf_conversion_drops_conversions_of_earlier_versions_of_the_same_file(tmp_path, monkeypatch):
+    """A reinstalled GGUF (new mtime, new cache key) replaces its older conversion; other models' stay."""
+    import json
+    import os
+
+    store = _fake_conversion(monkeypatch, tmp_path)
+    gguf, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    gguf.write_bytes(b"not read")
+    other.write_bytes(b"not read")
+    first = store.convert_gguf(gguf, progress=False)
+    kept = store.convert_gguf(other, progress=False)
+    partial = first.parent / "m-partial"  # no marker: not a conversion this code made, left alone
+    partial.mkdir()
+    os.utime(gguf, (1_000_000_000, 1_000_000_000))  # as after a reinstall
+    second = store.convert_gguf(gguf, progress=False)
+    assert second != first and (second / "spd_fast_converted.json").is_file()
+    assert not first.exists() and kept.is_dir() and partial.is_dir()
+    assert json.loads((kept / "spd_fast_converted.json").read_text())["source"] == str(other)
+
+
 def test_gguf_conversion_with_tokenizer_files_from_an_earlier_conversion(tmp_path, monkeypatch):
     """`tokenizer_from` copies the tokenizer files of an earlier conversion (no transformers GGUF support
     needed, as on a GPU machine with no registry); a directory without tokenizer.json is refused clearly."""
