@@ -60,11 +60,15 @@ def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None)
                    help="executor: local/sequential (default, CPU or GPU), streams (one GPU, a CUDA stream per "
                         "stage, CUDA graphs), devices (one stage per GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="placement=streams: run the cycle eagerly")
+    add_lookup_option(p)
+    p.add_argument("--kernels", choices=["auto", "torch", "cpp", "triton"],
+                   help="backend of the cycle's fused ops (spd_fast.kernels; default: the library's)")
+
+
+def add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP, metavar="K",
                    help=f"context lookup beside the PDM: when the K newest tokens occurred earlier, draft what "
                         f"followed them (default: {DEFAULT_LOOKUP}; 0 turns it off)")
-    p.add_argument("--kernels", choices=["auto", "torch", "cpp", "triton"],
-                   help="backend of the cycle's fused ops (spd_fast.kernels; default: the library's)")
 
 
 def apply_runtime_options(args: argparse.Namespace) -> None:

@@ -380,3 +380,28 @@ def test_requests_file_errors(tmp_path):
         reqs('[{"prompt": "Hi"}, {"prompt": "Hi", "eos_ids": 7}]')
     (r,) = reqs('[{"prompt": "Hi", "eos_ids": [7], "max_new_tokens": 5}]')
     assert r.prompt_ids == (1, 2) and r.eos_ids == (2, 7) and r.max_new_tokens == 5
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["Hi", "--requests", "r.json"], r"--requests FILE holds the prompts; drop the positional prompt"),
+    (["--user", "Hi", "--requests", "r.json"], r"--requests FILE holds the prompts"),
+    (["Hi", "--user", "Hi"], "pass either a raw prompt or --system/--user messages, not both"),
+    (["--system", "Be brief."], "--system needs at least one --user message"),
+    ([], "give a prompt: a positional string, --user 'message' or --requests FILE"),
+    (["--lookup", "65", "Hi"], "lookup must be an integer from 0 to 64"),
+])
+def test_distributed_cli_refuses_conflicting_prompts_before_loading(monkeypatch, argv, msg):
+    """Every rank parses the same command line: a conflict is refused before any rank loads or waits."""
+    from spd_fast.config import SpdConfigError
+    from spd_fast.distributed import __main__ as cli
+    from spd_fast.distributed import engine
+
+    def load_distributed(**kw):  # the real check_lookup, nothing loaded
+        from spd_fast.config import check_lookup
+
+        check_lookup(kw["lookup"])
+        raise AssertionError("loaded despite a bad command line")
+
+    monkeypatch.setattr(engine, "load_distributed", load_distributed)
+    with pytest.raises(SpdConfigError, match=msg):
+        cli.run(cli.build_parser().parse_args(argv))

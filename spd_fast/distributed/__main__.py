@@ -13,7 +13,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import layer_list
+    from ..cli_common import add_lookup_option, layer_list
 
     p = argparse.ArgumentParser(prog="python -m spd_fast.distributed",
                                 description="Speculative pipeline decoding with one stage per torch.distributed "
@@ -48,9 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=60.0,
                    help="the same for joining and loading (default 60)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (default: torch's choice)")
+    add_lookup_option(p)
     p.add_argument("--json", action="store_true", help="print a JSON document instead of the text")
     p.add_argument("--output", help="also write the JSON results to this file (rank 0)")
     return p
+
+
+def check_prompt_args(args: argparse.Namespace) -> None:
+    """Exactly one prompt source; every rank checks this before loading, so none waits for a doomed job."""
+    from ..config import SpdConfigError
+
+    chat = bool(args.user or args.system)
+    if args.requests and (args.prompt is not None or chat):
+        raise SpdConfigError("--requests FILE holds the prompts; drop the positional prompt and --system/--user, "
+                             "or drop --requests")
+    if args.prompt is not None and chat:
+        raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
+    if args.system and not args.user and not args.requests:
+        raise SpdConfigError("--system needs at least one --user message")
+    if args.prompt is None and not args.user and not args.requests:
+        raise SpdConfigError("give a prompt: a positional string, --user 'message' or --requests FILE")
 
 
 def _requests(args: argparse.Namespace, target: Any) -> list:
@@ -68,15 +85,12 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
             raise SpdConfigError(f"--requests {args.requests} must hold a JSON list of objects, e.g. "
                                  '[{"prompt": "Hi", "max_new_tokens": 32}]')
     else:
-        if args.prompt is not None and (args.user or args.system):
-            raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
+        check_prompt_args(args)
         if args.prompt is not None:
             prompt: Any = args.prompt
-        elif args.user:
+        else:
             prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                      [{"role": "user", "content": u} for u in args.user]
-        else:
-            raise SpdConfigError("give a prompt: a positional string, --user 'message' or --requests FILE")
         items = [{"prompt": prompt}]
     reqs = []
     for it in items:
@@ -100,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine import load_distributed
     from .launch import shutdown
 
+    check_prompt_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
@@ -107,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                            draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
                            max_len=args.max_len, seed=args.seed_head, progress=not args.json,
                            timeout=args.timeout, startup_timeout=args.startup_timeout,
-                           draft_vocab_size=args.draft_vocab_size)
+                           draft_vocab_size=args.draft_vocab_size, lookup=args.lookup)
     if not eng.is_driver:
         eng.run_requests([])
         shutdown()
