@@ -28,13 +28,17 @@ def _worker(impl: str, threads: int, new_tokens: int, repeats: int, dtype: str) 
     from spd_fast.runtime import load_target
     from spd_fast.sampling import SamplingParams
 
-    tg = load_target(None, dtype, progress=False)
-    ids_list = [tg.encode([{"role": "user", "content": p}]) for p in PROMPTS]
-    if impl == "hf":
-        from transformers import AutoModelForCausalLM
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    if impl == "hf":  # transformers alone in this process: its peak RSS is its own
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        del tg.model
-        hf = AutoModelForCausalLM.from_pretrained(tg.path, dtype=getattr(torch, dtype)).eval()
+        from spd_fast.runtime import encode_prompt
+        from spd_fast.store import resolve_model_dir
+
+        path = resolve_model_dir(None, progress=False)
+        tok = AutoTokenizer.from_pretrained(str(path))
+        ids_list = [encode_prompt(tok, m) for m in msgs]
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
         def run(ids):
             x = torch.tensor([ids])
@@ -49,6 +53,8 @@ def _worker(impl: str, threads: int, new_tokens: int, repeats: int, dtype: str) 
             # decode time = full generate minus a prefill-only generate
             return ((t2 - t1) - (t1 - t0)) / max(1, n - 1)
     else:
+        tg = load_target(None, dtype, progress=False)
+        ids_list = [tg.encode(m) for m in msgs]
         tg.model.setup_caches(1, 1024)
 
         def run(ids):
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": a.threads, "dtype": a.dtype, "new_tokens": a.new_tokens, "repeats": a.repeats}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": res, "speedup": speedup}, indent=2))
+    # peak RSS: the worker process's whole life (load + decode); the two "ours" rows share one loader
     print(f"| impl | ms/token (median) | tokens/s | peak RSS MiB |\n|---|---|---|---|")
     for k in rows:
         r = res[k]
