@@ -203,6 +203,9 @@ class DraftConfig:
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
         if not isinstance(d.get("weights", WEIGHTS_FILE), str):
             raise TypeError(f"'weights' must be a file name, got {d['weights']!r}")
+        if Path(d.get("weights", WEIGHTS_FILE)).is_absolute():  # a head must still load once its directory moves
+            raise TypeError(f"'weights' must be relative to the head directory (e.g. {WEIGHTS_FILE!r} or "
+                            f"'../other-head/{WEIGHTS_FILE}'), got the absolute path {d['weights']!r}")
         if d.get("num_stages") != len(d["boundaries"]) - 1:
             raise TypeError(f"num_stages {d.get('num_stages')!r} disagrees with boundaries {list(d['boundaries'])}")
         for k in ("num_layers", "draft_vocab_size", "base_hidden_size", "base_num_layers", "base_vocab_size"):
