@@ -15,8 +15,9 @@ _TRAIN_HELP = "train a draft head (PDM): self-distil, then train; `spd-fast trai
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__, cli_bench, cli_generate, cli_info
+    from .cli_common import Parser
 
-    p = argparse.ArgumentParser(prog="spd-fast", description="Speculative Pipeline Decoding runtime. "
+    p = Parser(prog="spd-fast", description="Speculative Pipeline Decoding runtime. "
                                 "Run `spd-fast <command> --help` for a command's options.")
     p.add_argument("--version", action="version", version=f"spd_fast {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,eval,train,distributed,info}")

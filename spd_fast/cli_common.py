@@ -12,6 +12,14 @@ from .config import DEFAULT_LOOKUP
 _PKG = str(Path(__file__).resolve().parent)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other error of the CLIs: the problem and where the
+    options are listed (argparse's default prints the whole usage block first). Subparsers inherit it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer >= low, else a message naming the value."""
     def parse(text: str) -> int:

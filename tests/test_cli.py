@@ -311,6 +311,7 @@ def test_committed_self_distillation_data_is_readable():
 def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
     rc, _, err = run_cli(argv, capsys)
     assert rc == 2 and message in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, argparse's malformed arguments included
 
 
 def test_entry_point_subprocess():

@@ -13,9 +13,9 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import add_lookup_option, layer_list
+    from ..cli_common import Parser, add_lookup_option, layer_list
 
-    p = argparse.ArgumentParser(prog="python -m spd_fast.distributed",
+    p = Parser(prog="python -m spd_fast.distributed",
                                 description="Speculative pipeline decoding with one stage per torch.distributed "
                                 "rank. Launch with torchrun (one process per stage); rank 0 prints the output.")
     p.add_argument("prompt", nargs="?", help="raw text prompt (no chat template)")

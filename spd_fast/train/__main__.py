@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import layer_list, non_negative_int, positive_int
+    from ..cli_common import Parser, layer_list, non_negative_int, positive_int
 
     def non_negative_float(text: str) -> float:
         try:
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
         return v
 
-    p = argparse.ArgumentParser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
+    p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
     p.add_argument("--num-stages", type=positive_int, default=None,

@@ -279,10 +279,10 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import positive_int
+    from ..cli_common import Parser, positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
-    p = argparse.ArgumentParser(prog="spd_fast.train.calibrate", description=__doc__,
+    p = Parser(prog="spd_fast.train.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
