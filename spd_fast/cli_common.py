@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -48,6 +49,24 @@ def _list_of(conv: Callable[[str], Any], example: str) -> Callable[[str], list]:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list like {example}, got {text!r}")
         return vals
     return parse
+
+
+def bounded_float(low: float, high: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (nan and inf are refused)."""
+    what = f"a number from {low:g} to {high:g}" if high is not None else f"a finite number >= {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (math.isfinite(v) and v >= low and (high is None or v <= high)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
+
+
+non_negative_float = bounded_float(0.0)
 
 
 int_list = _list_of(positive_int, "2,3,5")

@@ -749,8 +749,18 @@ def test_training_cli_names_a_bad_device_and_time_budget(tmp_path, capsys):
 
     assert main(["--out", str(tmp_path / "a"), "--device", "tpu"]) == 2
     assert "device 'tpu' is not a valid device; use 'cpu', 'cuda' or 'cuda:<index>'" in capsys.readouterr().err
-    assert main(["--out", str(tmp_path / "b"), "--time-budget", "-5"]) == 2
-    assert "--time-budget must be >= 0 seconds (0 = off), got -5.0" in capsys.readouterr().err
+    for opt, bad, msg in [("--time-budget", "-5", "expected a finite number >= 0, got '-5'"),
+                          ("--time-budget", "nan", "expected a finite number >= 0, got 'nan'"),
+                          ("--lr", "inf", "expected a finite number >= 0, got 'inf'"),
+                          ("--fill-aug", "nan", "expected a number from 0 to 1, got 'nan'"),
+                          ("--fill-aug", "5", "expected a number from 0 to 1, got '5'"),
+                          ("--argmax-weight", "-3", "expected a finite number >= 0, got '-3'"),
+                          ("--weight-decay", "-1", "expected a finite number >= 0, got '-1'"),
+                          ("--threads", "-1", "expected an integer >= 0, got -1")]:
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path / "b"), opt, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {opt}: {msg}" in err and len(err.strip().splitlines()) == 1, err
     if not torch.cuda.is_available():
         assert main(["--out", str(tmp_path / "c"), "--device", "cuda"]) == 2
         assert "needs CUDA but this torch build has no GPU" in capsys.readouterr().err

@@ -82,6 +82,17 @@ def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
      r"user.jsonl, row 1: the chat has no assistant message after a user message"),
     ("rows.json", '{"text": "a"}', r"rows.json: a .json data file must hold a list of JSON objects"),
     ("d.csv", "a,b\n", r"d.csv: unknown format '.csv'; use .jsonl, .jsonl.gz, .json"),
+    ("float.jsonl", '{"prompt_ids": [1, 2], "response_ids": [3.7, 4]}\n',
+     r"float.jsonl, row 1: \"response_ids\" must be a list of integer token ids"),
+    ("bool.jsonl", '{"prompt_ids": [true], "response_ids": [3]}\n',
+     r"bool.jsonl, row 1: \"prompt_ids\" must be a list of integer token ids"),
+    ("big.jsonl", '{"prompt_ids": [1], "response_ids": [3, 49152]}\n',
+     r"big.jsonl, row 1: \"response_ids\" holds 49152, not a token id of this model \(0..49151\)"),
+    ("str.jsonl", '{"prompt_ids": ["1"], "response_ids": [3]}\n', r"must be a list of integer token ids"),
+    ("role.jsonl", json.dumps({"messages": [{"role": 5, "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+     r"role.jsonl, row 1: \"messages\" must be a non-empty list of .* with string values"),
+    ("empty.jsonl", '{"text": ""}\n{"prompt_ids": [1], "response_ids": []}\n',
+     r"every one of the 2 training samples has an empty answer \(no tokens to train on\)"),
     ("d.parquet", "x", r"d.parquet: reading .parquet needs pandas and pyarrow \(pip install pandas pyarrow\)"),
 ])
 def test_bad_data_files_are_named(full_vocab_checkpoint, tmp_path, capsys, name, content, message):
@@ -98,6 +109,33 @@ def test_bad_data_files_are_named(full_vocab_checkpoint, tmp_path, capsys, name,
     assert re.search(message, err), err
 
 
+@pytest.mark.parametrize("name,content,message", [
+    ("latin1.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl is not UTF-8 text .*save it as UTF-8"),
+    ("latin1.txt", "caf\xe9".encode("latin-1"), r"latin1.txt is not UTF-8 text"),
+    ("plain.jsonl.gz", b'{"text": "a"}\n', r"plain.jsonl.gz is not a complete gzip file .*drop the .gz suffix"),
+])
+def test_unreadable_data_files_are_named(full_vocab_checkpoint, tmp_path, capsys, name, content, message):
+    f = tmp_path / name
+    f.write_bytes(content)
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--steps", "1"), capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_prompt_sets_need_distinct_plain_ids(tmp_path):
+    from spd_fast.config import SpdConfigError
+    from spd_fast.train.data import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"}\n{"id": 1, "prompt": "c"}\n')
+    with pytest.raises(SpdConfigError, match=r"rows 1 and 3 share the id 1; give each prompt its own id"):
+        load_prompts(f)
+    f.write_text('{"id": [1], "prompt": "a"}\n')
+    with pytest.raises(SpdConfigError, match=r"row 1: \"id\" must be a string or an integer, got \[1\]"):
+        load_prompts(f)
+    f.write_text('{"id": "a", "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
+    assert [r["id"] for r in load_prompts(f)] == ["a", 1]
+
+
 def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"Sample number {i} is here."}) + "\n" for i in range(4)))
@@ -106,7 +144,7 @@ def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
                                  ("--max-seq-len", "0", "expected a positive integer, got 0"),
                                  ("--draft-vocab", "0", "expected a positive integer, got 0"),
                                  ("--steps", "0", "expected a positive integer, got 0"),
-                                 ("--epochs", "-1", "expected a number >= 0, got '-1'"),
+                                 ("--epochs", "-1", "expected a finite number >= 0, got '-1'"),
                                  ("--boundaries", "0,x", "expected a comma-separated list like 0,10,20,30")]:
         rc, err = run(base + [flag, value], capsys)
         assert rc == 2 and message in err, (flag, err)

@@ -13,7 +13,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import Parser, add_lookup_option, layer_list
+    from ..cli_common import Parser, add_lookup_option, layer_list, non_negative_int
 
     p = Parser(prog="python -m spd_fast.distributed",
                                 description="Speculative pipeline decoding with one stage per torch.distributed "
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits for a message before declaring its peer lost (default 30)")
     p.add_argument("--startup-timeout", type=float, default=60.0,
                    help="the same for joining and loading (default 60)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (default: torch's choice)")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads per rank (default: torch's choice)")
     add_lookup_option(p)
     p.add_argument("--json", action="store_true", help="print a JSON document instead of the text")
     p.add_argument("--output", help="also write the JSON results to this file (rank 0)")

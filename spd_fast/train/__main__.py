@@ -13,16 +13,7 @@ import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import Parser, layer_list, non_negative_int, positive_int
-
-    def non_negative_float(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-        return v
+    from ..cli_common import Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
 
     p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
@@ -49,12 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=non_negative_int, default=50)
     p.add_argument("--batch-tokens", type=positive_int, default=2048)
     p.add_argument("--max-seq-len", type=positive_int, default=512)
-    p.add_argument("--fill-aug", type=float, default=0.5)
+    p.add_argument("--fill-aug", type=bounded_float(0.0, 1.0), default=0.5,
+                   help="probability of a fill-augmented step (default 0.5)")
     p.add_argument("--fill-after-miss", action="store_true",
                    help="train the fill-augmented steps only on the rows the pipeline drafts at that fill after a "
                         "reject: the head's own draft f tokens back missed, and its refill drafts since were right "
                         "(default: rows at every position)")
-    p.add_argument("--argmax-weight", type=float, default=0.0,
+    p.add_argument("--argmax-weight", type=non_negative_float, default=0.0,
                    help="add this times the cross-entropy on the target's argmax token to the KL loss "
                         "(weights greedy agreement above matching the whole distribution)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16; "
@@ -62,13 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target (teacher) and the head run")
     p.add_argument("--dtype", default="float32", help="the target's weights: float32 or bfloat16 (on a GPU, bfloat16 "
                    "with --bf16 halves the teacher's memory traffic)")
-    p.add_argument("--time-budget", type=float, default=0.0,
+    p.add_argument("--time-budget", type=non_negative_float, default=0.0,
                    help="seconds of training: after 20 timed steps the step count (and the LR decay) is cut to "
                         "what fits; 0 = off. Rerun with the same --steps, a finished run stays finished; another "
                         "--steps extends it")
     p.add_argument("--save-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=non_negative_int, default=0)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--init", default=None,
                    help="warm-start from this head directory (same anchors and V_d), e.g. to fine-tune "
@@ -78,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
                         "checkpoint, best head kept in OUT/best_head")
     p.add_argument("--val-limit", type=positive_int, default=64, help="score at most this many validation samples")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.0)
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the teacher every step instead of caching its states on disk once (saves disk, costs time)")
     return p
@@ -105,10 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import TrainConfig, pack_batches, train
 
     a = build_parser().parse_args(argv)
-    if a.time_budget < 0:
-        print(f"spd_fast.train: error: --time-budget must be >= 0 seconds (0 = off), got {a.time_budget}",
-              file=sys.stderr)
-        return 2
     rank, world = 0, 1
     try:
         from ..runtime import parse_device, parse_dtype
@@ -174,7 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
             raise SpdConfigError("no training samples; pass --data self-distill or a data file")
-        val = read_val_samples(a.val, target)[: a.val_limit]
+        empty = sum(not r["response_ids"] for r in samples)  # nothing to take a loss on
+        samples = [r for r in samples if r["response_ids"]]
+        if not samples:
+            raise SpdConfigError(f"every one of the {empty} training samples has an empty answer (no tokens to "
+                                 f"train on); check the data files' \"text\", \"response_ids\" or assistant turns")
+        if empty:
+            log(json.dumps({"skipped_empty_samples": empty}))
+        val = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
         steps = a.steps
         if a.epochs > 0:  # under torchrun each step takes one batch per rank
             per_epoch = len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)) // world

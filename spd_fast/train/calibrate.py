@@ -279,7 +279,7 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import Parser, positive_int
+    from ..cli_common import Parser, non_negative_int, positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = Parser(prog="spd_fast.train.calibrate", description=__doc__,
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate-ratios", type=_some_floats, default=list(DEFAULT_GATE_RATIOS))
     p.add_argument("--copy-boosts", type=_floats, default=list(DEFAULT_COPY_BOOSTS),
                    help="logit boosts of a copied token to try for sampled decoding (empty: keep one-hot copies)")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=non_negative_int, default=0)
     p.add_argument("--write", action="store_true",
                    help="store the best scale (and lookup gate) in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")

@@ -1,6 +1,7 @@
 """Training data: prompt sets, self-distillation with the runtime's batched generation, local files."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from pathlib import Path
@@ -22,20 +23,46 @@ def read_jsonl(path: str | Path) -> list[dict]:
     error naming the file and line."""
     opener = gzip.open if str(path).lower().endswith(".gz") else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise SpdConfigError(f"{path}, line {n}: not valid JSON ({e}); each line of a .jsonl file must be "
-                                     f"one JSON object") from None
-            if not isinstance(row, dict):
-                raise SpdConfigError(f"{path}, line {n}: a JSON {type(row).__name__}, not an object; each line of a "
-                                     f".jsonl file must be one JSON object")
-            rows.append(row)
+    with _readable(path):
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise SpdConfigError(f"{path}, line {n}: not valid JSON ({e}); each line of a .jsonl file must "
+                                         f"be one JSON object") from None
+                if not isinstance(row, dict):
+                    raise SpdConfigError(f"{path}, line {n}: a JSON {type(row).__name__}, not an object; each line "
+                                         f"of a .jsonl file must be one JSON object")
+                rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def _readable(path: str | Path) -> Iterator[None]:
+    """Turn a file that cannot be read as text (not UTF-8, a broken .gz) into one line naming it."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise SpdConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise SpdConfigError(f"{path} is not a complete gzip file ({e}); recompress it, or drop the .gz suffix "
+                             f"if it is plain text") from None
+    except IsADirectoryError:
+        raise SpdConfigError(f"{path} is a directory; pass a data file") from None
+
+
+def check_token_ids(ids: object, vocab_size: int, where: str, key: str) -> list[int]:
+    """A list of this model's token ids (integers 0..vocab_size-1; no floats or booleans)."""
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise SpdConfigError(f"{where}: \"{key}\" must be a list of integer token ids")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SpdConfigError(f"{where}: \"{key}\" holds {bad}, not a token id of this model (0..{vocab_size - 1}); "
+                             f"make the ids with this model's tokenizer")
+    return ids
 
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:
@@ -44,10 +71,17 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
     if not path.is_file():
         raise SpdConfigError(f"prompt file {path} does not exist; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
     rows = read_jsonl(path)
+    seen: dict = {}
     for n, r in enumerate(rows, 1):
         if not isinstance(r.get("prompt"), str) or "id" not in r:
             raise SpdConfigError(f"{path}, row {n}: a prompt row needs an \"id\" and a string \"prompt\", got keys "
                                  f"{sorted(r)}")
+        if not isinstance(r["id"], (str, int)) or isinstance(r["id"], bool):
+            raise SpdConfigError(f"{path}, row {n}: \"id\" must be a string or an integer, got {r['id']!r}")
+        if r["id"] in seen:
+            raise SpdConfigError(f"{path}, rows {seen[r['id']]} and {n} share the id {r['id']!r}; give each prompt "
+                                 f"its own id (answers are kept by id)")
+        seen[r["id"]] = n
     return rows
 
 
@@ -143,22 +177,31 @@ ROW_KEYS = '"messages" (chat), "text", or "prompt_ids" + "response_ids" (token i
 def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Iterator[dict]:
     """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
     the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
+    vocab = target.cfg.vocab_size
     if "prompt_ids" in rec:
         if not isinstance(rec.get("response_ids"), list) or not isinstance(rec["prompt_ids"], list):
             raise SpdConfigError(f"{where}: \"prompt_ids\" and \"response_ids\" must both be lists of token ids")
+        check_token_ids(rec["prompt_ids"], vocab, where, "prompt_ids")
+        check_token_ids(rec["response_ids"], vocab, where, "response_ids")
         yield rec if "id" in rec else dict(rec, id=f"{stem}-{i}")
     elif "messages" in rec:
         msgs = rec["messages"]
         if (not isinstance(msgs, list) or not msgs
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)):
-            raise SpdConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+                or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                           and isinstance(m.get("role"), str) for m in msgs)):
+            raise SpdConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects "
+                                 f"with string values")
         turns = [k for k, m in enumerate(msgs) if m.get("role") == "assistant" and k > 0]
         if not turns:
             raise SpdConfigError(f"{where}: the chat has no assistant message after a user message, so there is "
                                  f"nothing to train on; the loss is taken on assistant turns")
         for j, k in enumerate(turns):
-            prompt = chat_ids(target.tokenizer, msgs[:k])
-            full = chat_ids(target.tokenizer, msgs[: k + 1], add_generation_prompt=False)
+            try:
+                prompt = chat_ids(target.tokenizer, msgs[:k])
+                full = chat_ids(target.tokenizer, msgs[: k + 1], add_generation_prompt=False)
+            except Exception as e:  # jinja's errors: a template that refuses these roles or this order
+                raise SpdConfigError(f"{where}: the model's chat template rejects these messages "
+                                     f"({type(e).__name__}: {e}); fix the roles or order, or use \"text\" rows") from None
             if full[: len(prompt)] != prompt:
                 raise SpdConfigError(f"{where}: the chat template does not extend the conversation's tokens when "
                                      f"a turn is added, so the assistant turn cannot be cut out; use \"text\" rows")
@@ -180,8 +223,10 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
     if name.endswith((".jsonl", ".jsonl.gz", ".json")):
         stem = path.name[: -len(".jsonl.gz")] if name.endswith(".gz") else path.name.rsplit(".", 1)[0]
         if name.endswith(".json"):
+            with _readable(path):
+                text = path.read_text(encoding="utf-8")
             try:
-                rows = json.loads(path.read_text(encoding="utf-8"))
+                rows = json.loads(text)
             except ValueError as e:
                 raise SpdConfigError(f"{path}: not valid JSON ({e}); a .json data file holds one list of rows "
                                      f"(or use .jsonl, one row per line)") from None
@@ -207,7 +252,9 @@ def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
         for i, text in enumerate(frame["text"]):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(text)}
     elif path.suffix.lower() in (".txt", ".text", ".md", ""):
-        for i, block in enumerate(b for b in path.read_text().split("\n\n") if b.strip()):
+        with _readable(path):
+            text = path.read_text(encoding="utf-8")
+        for i, block in enumerate(b for b in text.split("\n\n") if b.strip()):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(block)}
     else:
         raise SpdConfigError(f"data file {path}: unknown format {path.suffix!r}; use {DATA_FORMATS}")
