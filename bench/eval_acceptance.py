@@ -18,7 +18,7 @@ from spd_fast.config import DEFAULT_LOOKUP
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spd_fast.cli_common import float_list, int_list, positive_int
+    from spd_fast.cli_common import check_output, float_list, int_list, positive_int
     from spd_fast.config import SpdConfigError
     from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
     from spd_fast.sampling import SamplingParams
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in a.temperatures:  # before the model loads
             SamplingParams(temperature=t)
+        check_output(a.out, "--out", stem=True)
         res = evaluate_acceptance(a.num_stages, a.temperatures, a.limit, a.max_new_tokens, a.draft,
                                   with_ar=not a.no_ar, progress=False,
                                   on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed, lookup=a.lookup)

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_common import add_model_options, apply_runtime_options, float_list, int_list, load_engine, positive_int
+from .cli_common import (add_model_options, apply_runtime_options, check_output, float_list, int_list, load_engine,
+                         positive_int)
 from .evaluate import CATEGORIES, add_spd_metrics
 
 
@@ -137,6 +138,7 @@ def bench_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
+    check_output(args.out, "--out")
     apply_runtime_options(args)
     res = run_bench(args, quiet=args.json)
     if args.out:
@@ -169,6 +171,7 @@ def run_eval_cli(args: argparse.Namespace) -> int:
                              f"{','.join(CATEGORIES)}")
     for t in args.temperatures:
         SamplingParams(t)
+    check_output(args.out, "--out", stem=True)
     apply_runtime_options(args)
     res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
                               cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -72,6 +73,32 @@ non_negative_float = bounded_float(0.0)
 int_list = _list_of(positive_int, "2,3,5")
 layer_list = _list_of(non_negative_int, "0,10,20,30")  # stage boundaries, anchors
 float_list = _list_of(float, "0,0.7")
+
+
+def check_output(path: str | None, option: str, stem: bool = False) -> None:
+    """Refuse an output path that cannot be written before the run whose results it would hold: an
+    existing directory, a path under a file, or a folder that cannot be made. `stem`: the path is a
+    stem that gets .json/.md suffixes (eval)."""
+    from .config import SpdConfigError
+
+    if not path:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir() or str(path).endswith(("/", os.sep)):
+        example = f"{path.rstrip('/' + os.sep)}/{'acceptance' if stem else 'results.json'}"
+        raise SpdConfigError(f"{option} {path} is a directory; name a file{' stem' if stem else ''} in it, "
+                             f"e.g. {example}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SpdConfigError(f"{option} {path}: {parent} is a file, not a directory; choose another path")
+            break
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpdConfigError(f"{option} {path}: cannot create {p.parent} ({e.strerror}); choose another path") from None
+    if not os.access(p.parent, os.W_OK):
+        raise SpdConfigError(f"{option} {path}: {p.parent} is not writable; choose another path")
 
 
 def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None) -> None:

@@ -314,6 +314,28 @@ def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1, err  # one line, argparse's malformed arguments included
 
 
+def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
+    """An --out/--output that cannot be written is refused before any model loads, not after the run."""
+    from spd_fast.distributed import __main__ as dist_cli
+    from spd_fast.train.calibrate import main as calibrate_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [(["bench", "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file in it"),
+             (["bench", "--out", f"{afile}/r.json"], f"{afile} is a file, not a directory"),
+             (["eval", "--out", str(tmp_path)], "is a directory; name a file stem in it, e.g. "
+                                                f"{tmp_path}/acceptance")]
+    for argv, msg in cases:
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert calibrate_main(["head", "--val", "v.jsonl", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a directory" in capsys.readouterr().err
+    monkeypatch.setattr("spd_fast.distributed.engine.load_distributed",
+                        lambda **kw: (_ for _ in ()).throw(AssertionError("loaded before the check")))
+    with pytest.raises(SpdConfigError, match=f"--output {afile}/o.json: {afile} is a file"):
+        dist_cli.run(dist_cli.build_parser().parse_args(["Hi", "--output", f"{afile}/o.json"]))
+
+
 def test_entry_point_subprocess():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "spd_fast", "info", "--json"], capture_output=True, text=True,

@@ -111,10 +111,12 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..cli_common import check_output
     from .engine import load_distributed
     from .launch import shutdown
 
     check_prompt_args(args)
+    check_output(args.output, "--output")
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,

@@ -279,11 +279,11 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import Parser, non_negative_int, positive_int
+    from ..cli_common import Parser, check_output, non_negative_int, positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = Parser(prog="spd_fast.train.calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.txt/.parquet); repeatable")
@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
+        check_output(a.out, "--out")
         target, head = load_target_and_head(a.head, a.model, a.threads)
         res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
