@@ -376,6 +376,11 @@ def test_requests_file_errors(tmp_path):
         reqs('[{"prompt_ids": 5}]')
     with pytest.raises(SpdConfigError, match="request 0 has neither 'prompt' nor 'prompt_ids'"):
         reqs('[{"max_new_tokens": 5}]')
+    with pytest.raises(SpdConfigError, match=r"request 0 has unknown keys \['max_tokens', 'temprature'\]; a request "
+                                             r"may hold prompt, prompt_ids, max_new_tokens, temperature"):
+        reqs('[{"prompt": "Hi", "max_tokens": 2, "temprature": 0.9}]')
+    with pytest.raises(SpdConfigError, match="request 0 has both 'prompt' and 'prompt_ids'; keep one of them"):
+        reqs('[{"prompt": "Hi", "prompt_ids": [1]}]')
     with pytest.raises(SpdConfigError, match="request 1: prompt_ids and eos_ids must be lists"):
         reqs('[{"prompt": "Hi"}, {"prompt": "Hi", "eos_ids": 7}]')
     (r,) = reqs('[{"prompt": "Hi", "eos_ids": [7], "max_new_tokens": 5}]')

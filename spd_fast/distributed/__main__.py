@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+REQUEST_KEYS = ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_ids")
+
+
 def check_prompt_args(args: argparse.Namespace) -> None:
     """Exactly one prompt source; every rank checks this before loading, so none waits for a doomed job."""
     from ..config import SpdConfigError
@@ -94,8 +97,14 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
         items = [{"prompt": prompt}]
     reqs = []
     for it in items:
+        unknown = sorted(set(it) - set(REQUEST_KEYS))
+        if unknown:  # a misspelt key would silently fall back to the command-line default
+            raise SpdConfigError(f"request {len(reqs)} has unknown keys {unknown}; a request may hold "
+                                 f"{', '.join(REQUEST_KEYS)}")
         if "prompt_ids" not in it and "prompt" not in it:
             raise SpdConfigError(f"request {len(reqs)} has neither 'prompt' nor 'prompt_ids'")
+        if "prompt_ids" in it and "prompt" in it:
+            raise SpdConfigError(f"request {len(reqs)} has both 'prompt' and 'prompt_ids'; keep one of them")
         ids = it["prompt_ids"] if "prompt_ids" in it else target.encode(it["prompt"])
         params = SamplingParams(it.get("temperature", args.temperature), it.get("top_k", args.top_k),
                                 it.get("top_p", args.top_p), it.get("seed", args.seed))
