@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_capacity, check_max_new_tokens
-from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, check_stage_count,
+from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, check_seed, check_stage_count,
                      uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
@@ -246,9 +246,9 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             f"cuda_graphs=True needs placement='streams' on a CUDA device, got placement={placement!r}")
     if draft is not None and (not isinstance(draft, (str, os.PathLike)) or not str(draft).strip()):
         raise SpdConfigError(f"draft must be a head directory, 'random', or None (the shipped head), got {draft!r}")
-    for name, value in (("draft_layers", draft_layers), ("seed", seed)):
-        if (value is not None or name == "seed") and (not isinstance(value, int) or isinstance(value, bool)):
-            raise SpdConfigError(f"{name} must be an integer, got {value!r}")
+    if draft_layers is not None and (not isinstance(draft_layers, int) or isinstance(draft_layers, bool)):
+        raise SpdConfigError(f"draft_layers must be an integer, got {draft_layers!r}")
+    check_seed(seed, "seed (of a random head)")
     num_stages = _default_num_stages(num_stages, draft, placement, boundaries)
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement

@@ -23,6 +23,14 @@ DEFAULT_LOOKUP = 3   # context lookup beside the PDM: match the 3 newest tokens 
 MAX_LOOKUP = 64
 
 
+def check_seed(seed: object, name: str = "seed") -> None:
+    """An integer torch.Generator accepts."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise SpdConfigError(f"{name} must be an integer, got {seed!r}")
+    if not -2**63 <= seed < 2**64:
+        raise SpdConfigError(f"{name} {seed} is out of range; use an integer in [-2**63, 2**64 - 1]")
+
+
 def check_lookup(lookup: object) -> int:
     """`lookup`: how many newest tokens a context match needs; 0 turns context lookup off."""
     if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_LOOKUP:

@@ -125,6 +125,10 @@ class DraftConfig:
                 f"num_layers={L} (default: the stage boundaries {list(b)})")
         if num_layers < 1:
             raise SpdConfigError(f"the draft head needs at least one decoder layer, got num_layers={num_layers}")
+        V = target_cfg.vocab_size
+        if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or not 0 <= draft_vocab_size <= V:
+            raise SpdConfigError(f"draft vocabulary size {draft_vocab_size!r} is out of range; use 1..{V} (the "
+                                 f"model's vocabulary), or 0 for all of it")
         return DraftConfig(len(b) - 1, b, a, num_layers, draft_vocab_size or target_cfg.vocab_size,
                            target_cfg.model_type, target_cfg.hidden_size, L, target_cfg.vocab_size, fingerprint,
                            bool(frozen_lm_head))

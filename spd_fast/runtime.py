@@ -47,7 +47,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in _DTYPES.values():
             raise SpdConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise SpdConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SpdConfigError
+from .config import SpdConfigError, check_seed
 
 MIN_TEMPERATURE = 1e-6
 
@@ -35,8 +35,8 @@ class SamplingParams:
             raise SpdConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SpdConfigError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator accepts
-            raise SpdConfigError(f"seed {self.seed} is out of range; use an integer in [-2**63, 2**64 - 1]")
+        if self.seed is not None:
+            check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:

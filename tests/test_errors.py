@@ -342,7 +342,9 @@ def test_bad_method_and_dtype():
     (dict(cuda_graphs=True), "cuda_graphs=True needs placement='streams' on a CUDA device, got placement='local'"),
     (dict(draft=5), r"draft must be a head directory, 'random', or None \(the shipped head\), got 5"),
     (dict(draft_layers="2"), "draft_layers must be an integer, got '2'"),
-    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(seed="x"), r"seed \(of a random head\) must be an integer, got 'x'"),
+    (dict(seed=2**70), r"seed \(of a random head\) 1180591620717411303424 is out of range"),
+    (dict(dtype=["float32"]), r"dtype \['float32'\] is not supported; use one of"),
     (dict(model=5), "model must be a Hugging Face checkpoint directory or a .gguf file.*got 5"),
     (dict(model=""), "model must be a Hugging Face checkpoint directory or a .gguf file.*got ''"),
     (dict(lookup=-1), r"lookup must be an integer from 0 to 64 \(how many newest tokens a context match needs; "
@@ -528,3 +530,16 @@ def test_numpy_scalars_stand_for_plain_numbers(tiny_checkpoint, default_target):
     for bad in (np.float32(2.0), np.float64(2.0)):  # still refused: a count must be an integer
         with pytest.raises(SpdConfigError, match=r"max_new_tokens must be an integer >= 1, got .*2\.0"):
             eng.generate("Hi", max_new_tokens=bad)
+
+
+def test_random_head_draft_vocabulary_size_is_checked(tiny_checkpoint):
+    from spd_fast.config import ModelConfig
+    from spd_fast.pdm import DraftConfig
+
+    cfg = ModelConfig.from_dir(tiny_checkpoint("llama"))  # vocab_size 97
+    assert DraftConfig.make(cfg, (0, 3, 6), draft_vocab_size=0).draft_vocab_size == 97  # 0: all of it
+    assert DraftConfig.make(cfg, (0, 3, 6), draft_vocab_size=97).draft_vocab_size == 97
+    for bad in (-5, 98, 2.0):
+        with pytest.raises(SpdConfigError, match=rf"draft vocabulary size {bad!r} is out of range; use 1..97 "
+                                                  r"\(the model's vocabulary\), or 0 for all of it"):
+            DraftConfig.make(cfg, (0, 3, 6), draft_vocab_size=bad)

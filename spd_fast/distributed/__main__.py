@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft head directory or 'random' (default: the shipped head, else random)")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="decoder layers of a random head (default 1); a trained head brings its own")
-    p.add_argument("--draft-vocab-size", type=int, default=0, help="draft vocabulary of a random head "
+    p.add_argument("--draft-vocab-size", type=non_negative_int, default=0, help="draft vocabulary of a random head "
                    "(default: the full vocabulary)")
     p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")
     p.add_argument("--num-stages", type=int, help="must equal the number of processes (default: the world size)")

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_layer_indices, check_lookup,
+from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_layer_indices, check_lookup, check_seed,
                       check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
@@ -159,6 +159,7 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
                      draft_vocab_size: int = 0, lookup: int = DEFAULT_LOOKUP) -> DistributedEngine:
     """Call on every rank of a torchrun job. num_stages defaults to the world size and must equal it."""
     check_lookup(lookup)
+    check_seed(seed, "seed (of a random head)")
     tdtype = parse_dtype(dtype)
     if not isinstance(max_len, int) or max_len < 8:
         raise SpdConfigError(f"max_len must be an integer >= 8, got {max_len!r}")
