@@ -72,6 +72,11 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     sources = []
     for i, n in enumerate(args.num_stages):
         eng = load_engine(args, n, quiet)
+        if i == 0:  # every n against the model, before the first one's run
+            from .config import validate_num_stages
+
+            for m in args.num_stages:
+                validate_num_stages(eng.target.cfg.num_layers, m)
         sources.append(eng.draft_source)
         eng.generate(prompts[0], max_new_tokens=4, method="spd")  # warm-up: first-call allocations
         if i == 0:

@@ -139,6 +139,10 @@ def apply_runtime_options(args: argparse.Namespace) -> None:
 
             raise SpdConfigError(f"--kernels needs spd_fast.kernels, which cannot be imported here ({e})") from None
         kernels.set_backend(args.kernels)
+        if getattr(args, "device", None):  # a backend this device cannot run fails now, not after the first token
+            from .runtime import parse_device
+
+            kernels.resolve(args.kernels, parse_device(args.device))
 
 
 def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:

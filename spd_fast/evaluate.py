@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import DEFAULT_LOOKUP, SpdConfigError
+from .config import DEFAULT_LOOKUP, SpdConfigError, validate_num_stages
 from .progress import bar
 
 CATEGORIES = ("chat", "math", "code")
@@ -159,11 +159,14 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     rows: list[dict[str, Any]] = []
     sources = []
     ar_runs: dict[tuple[float, str, int], tuple[list[int], float, int]] = {}  # (temp, cat, i) -> AR result
-    for n in num_stages:
+    for k, n in enumerate(num_stages):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
                                 progress=progress, lookup=lookup, placement=placement, cuda_graphs=cuda_graphs)
+        if k == 0:  # every n against the model, before the first one's run
+            for m in num_stages:
+                validate_num_stages(eng.target.cfg.num_layers, m)
         sources.append(eng.draft_source)
         for temp in temperatures:
             per_cat, per_prompt = {}, {}

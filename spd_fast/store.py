@@ -55,7 +55,7 @@ def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) ->
             f"model path {path} does not exist; pass a local Hugging Face checkpoint directory or a .gguf "
             "file (spd_fast never downloads weights)")
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint directory")
         return convert_gguf(path, progress=progress)
     if not (path / "config.json").is_file():

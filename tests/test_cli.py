@@ -314,6 +314,27 @@ def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1, err  # one line, argparse's malformed arguments included
 
 
+def test_a_kernel_backend_the_device_cannot_run_fails_before_any_output(capsys, monkeypatch):
+    from spd_fast import ops
+
+    monkeypatch.setattr(ops, "BACKEND", ops.BACKEND)  # restored after the test: set_backend is process-wide
+    monkeypatch.setattr("spd_fast.triton_kernels._common.interpreting", lambda: False)  # as outside the tests
+    rc, out, err = run_cli(["generate", "Hi", "--kernels", "triton", "--max-new-tokens", "2", "--threads", "1"], capsys)
+    assert rc == 2 and out == "" and "the Triton kernels need CUDA tensors, got cpu" in err, (out, err)
+
+
+def test_every_stage_count_is_checked_before_the_first_run(capsys, monkeypatch):
+    """bench/eval -n 2,31: the 31 is refused before n=2 generates anything (not after its whole run)."""
+    from spd_fast import api
+    from spd_fast.evaluate import evaluate_acceptance
+
+    monkeypatch.setattr(api.Engine, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    rc, _, err = run_cli(["bench", "-n", "2,31", "--max-new-tokens", "2", "--threads", "1"], capsys)
+    assert rc == 2 and "num_stages=31 exceeds the model's 30 layers" in err, err
+    with pytest.raises(SpdConfigError, match="num_stages=31 exceeds the model's 30 layers"):
+        evaluate_acceptance((2, 31), (0.0,), 1, 2, progress=False)
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
     """An --out/--output that cannot be written is refused before any model loads, not after the run."""
     from spd_fast.distributed import __main__ as dist_cli

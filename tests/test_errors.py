@@ -543,3 +543,15 @@ def test_random_head_draft_vocabulary_size_is_checked(tiny_checkpoint):
         with pytest.raises(SpdConfigError, match=rf"draft vocabulary size {bad!r} is out of range; use 1..97 "
                                                   r"\(the model's vocabulary\), or 0 for all of it"):
             DraftConfig.make(cfg, (0, 3, 6), draft_vocab_size=bad)
+
+
+def test_gguf_suffix_in_any_case(tmp_path, monkeypatch):
+    from spd_fast import store
+
+    f = tmp_path / "Model.GGUF"
+    f.write_bytes(b"x")
+    monkeypatch.setattr(store, "convert_gguf", lambda path, progress=True: ("converted", path))
+    assert store.resolve_model_dir(f) == ("converted", f)
+    (tmp_path / "m.bin").write_bytes(b"x")
+    with pytest.raises(SpdConfigError, match=r"m.bin is a file but not a .gguf"):
+        store.resolve_model_dir(tmp_path / "m.bin")
