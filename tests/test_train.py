@@ -68,6 +68,25 @@ def test_training_lowers_loss_and_raises_agreement(tiny_checkpoint):
     assert s1["top1"] > s0["top1"] + 0.1
 
 
+def test_a_diverging_run_stops_before_it_corrupts_the_head(tiny_checkpoint):
+    """A non-finite loss (too high an lr, bad data) stops training with a clear error, weights untouched."""
+    from spd_fast.config import SpdConfigError
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, count=4)
+    dcfg = DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 1, 97)
+    tr = PdmTrainer(m, init_from_target(DraftHead(dcfg, m.cfg, m.norm), m), TrainConfig(steps=4, fill_aug=0.0))
+    batch = collate(data, 64)
+    tr.train_step(batch)
+    before = {k: v.clone() for k, v in tr.head.state_dict().items()}
+    real = tr.loss
+    tr.loss = lambda *a, **k: (lambda out: (out[0] * float("nan"), out[1]))(real(*a, **k))
+    with pytest.raises(SpdConfigError, match=r"training diverged at step 1: .*gradient norm nan .*checkpoints "
+                                             r"saved so far are intact. Lower --lr"):
+        tr.train_step(batch)
+    assert tr.step == 1 and all(torch.equal(before[k], v) for k, v in tr.head.state_dict().items())
+
+
 def test_argmax_weight_adds_the_hard_label_cross_entropy(tiny_checkpoint):
     """--argmax-weight w: loss = soft-target CE + w * CE on the teacher's argmax; the KL stat is unchanged."""
     import torch.nn.functional as F

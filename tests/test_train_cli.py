@@ -155,6 +155,10 @@ def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "afile", "--data", str(data)), capsys)
     assert rc == 2 and "is a file; pass a directory" in err
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(tmp_path)), capsys)
+    assert rc == 2 and f"data file {tmp_path} is a directory; pass its files" in err
+    rc, err = run(base + ["--val", str(tmp_path)], capsys)
+    assert rc == 2 and f"validation file {tmp_path} is a directory; pass a file" in err
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--prompts", str(tmp_path / "nope.jsonl")), capsys)
     assert rc == 2 and "prompt file" in err and "nope.jsonl does not exist" in err
 

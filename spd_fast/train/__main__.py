@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = {p["id"] for p in prompts}  # the file may hold answers to prompts of an earlier run
                 samples += [dict(r, _source="self-distill") for r in read_jsonl(path) if r["id"] in chosen]
             else:
+                if Path(src).is_dir():
+                    raise SpdConfigError(f"data file {src} is a directory; pass its files, e.g. --data {src}/a.jsonl "
+                                         f"--data {src}/b.jsonl")
                 if not Path(src).is_file():
                     raise SpdConfigError(f"data file {src} does not exist")
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]

@@ -265,6 +265,7 @@ def read_val_samples(paths: Sequence[str | Path], target: Target) -> list[dict]:
     out: list[dict] = []
     for src in paths:
         if not Path(src).is_file():
-            raise SpdConfigError(f"validation file {src} does not exist")
+            raise SpdConfigError(f"validation file {src} " + ("is a directory; pass a file" if Path(src).is_dir()
+                                                                else "does not exist"))
         out += list(text_file_samples(src, target))
     return out

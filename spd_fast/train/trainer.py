@@ -292,7 +292,11 @@ class PdmTrainer:
         loss.backward()
         if self.world > 1:
             self.all_reduce_grads()
-        torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
+        if not torch.isfinite(norm):  # after the all-reduce: every rank sees the same norm and stops together
+            raise SpdConfigError(f"training diverged at step {self.step}: the loss was {stats['loss']:.4g} and the "
+                                 f"gradient norm {float(norm)} (lr {self.lr_at(self.step):.3g}); the checkpoints "
+                                 f"saved so far are intact. Lower --lr, or check the data")
         self.opt.step()
         self.step += 1
         return stats
