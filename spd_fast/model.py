@@ -22,6 +22,32 @@ KV_BLOCK = 64
 PACKED_MAX_ROWS = 16  # decode calls of at most this many rows use the C++ ops (packed linears, fused norm)
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory that can still be allocated on `device` (CUDA: free memory; CPU: Linux's MemAvailable),
+    or None where it cannot be told."""
+    if device.type == "cuda":  # free on the device, plus what torch's caching allocator holds unused
+        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                   - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cache_fits(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Refuse an allocation that cannot fit before trying it (the allocator's own error is a C++ trace)."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        from .config import SpdConfigError
+
+        raise SpdConfigError(f"{what} needs {nbytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is free on "
+                             f"{device}; {fix}")
+
+
 def kv_bound_for(max_position: int, max_len: int) -> int:
     """Number of cache slots to read for a query at `max_position` (rounded up to KV_BLOCK)."""
     return min(max_len, (max_position // KV_BLOCK + 1) * KV_BLOCK)
@@ -226,6 +252,13 @@ class Transformer(nn.Module):
                 and self.layers[0].attn.k_cache.shape[0] >= max_batch:
             return
         shape = (max_batch, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+        per_layer = 2 * math.prod(shape) * self.dtype.itemsize
+        devices = {layer.attn.wqkv.weight.device for layer in self.layers}
+        for dev in devices:  # several with placement="devices": each holds its own layers' caches
+            mine = [layer.attn for layer in self.layers if layer.attn.wqkv.weight.device == dev]
+            freed = sum(c.numel() * c.element_size() for a in mine for c in (a.k_cache, a.v_cache) if c is not None)
+            check_cache_fits(len(mine) * per_layer - freed, dev, f"the KV cache for max_len={max_len} and batch {max_batch}",
+                             "use a smaller max_len (the longest prompt plus new tokens it must hold)")
         # Normal tensors even when called under inference mode (the engine's decoder): an inference
         # tensor could never again be written, or read by a graph-recording op, outside it.
         with torch.inference_mode(False):

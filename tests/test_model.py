@@ -60,6 +60,23 @@ def test_caches_made_under_inference_mode_work_outside_it(tiny_checkpoint):
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
+def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint, monkeypatch):
+    from spd_fast import model as model_mod
+    from spd_fast.config import SpdConfigError
+    from spd_fast.loading import load_hf_dir
+
+    m = load_hf_dir(tiny_checkpoint("llama"))
+    per_pos = 2 * len(m.layers) * m.cfg.num_kv_heads * m.cfg.head_dim * 4  # K and V, fp32
+    monkeypatch.setattr(model_mod, "available_bytes", lambda dev: 100 * per_pos)
+    m.setup_caches(1, 63)  # 64 slots fit
+    with pytest.raises(SpdConfigError, match=r"the KV cache for max_len=10000000 and batch 1 needs [\d.]+ GiB but only "
+                                             r"0.0 GiB is free on cpu; use a smaller max_len"):
+        m.setup_caches(1, 10_000_000)
+    assert m.max_len == 63 and m.layers[0].attn.k_cache.shape[2] == 64  # the old caches are kept
+    m.setup_caches(1, 150)  # 151 slots: fits once the 64 old ones are freed
+    assert m.max_len == 150
+
+
 @pytest.mark.parametrize("boundaries", [(0, 6), (0, 3, 6), (0, 1, 2, 3, 4, 5, 6), (0, 1, 5, 6), (0, 4, 6)],
                          ids=["n1", "n2", "n6", "uneven-1-4-1", "uneven-4-2"])
 def test_staged_forward_equals_unstaged(tiny_checkpoint, boundaries):
