@@ -54,13 +54,15 @@ def _readable(path: str | Path) -> Iterator[None]:
         raise SpdConfigError(f"{path} is a directory; pass a data file") from None
 
 
-def check_token_ids(ids: object, vocab_size: int, where: str, key: str) -> list[int]:
-    """A list of this model's token ids (integers 0..vocab_size-1; no floats or booleans)."""
+def check_token_ids(ids: object, vocab_size: int | None, where: str, key: str) -> list[int]:
+    """A list of this model's token ids (integers 0..vocab_size-1, or >= 0 when vocab_size is None; no floats
+    or booleans)."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise SpdConfigError(f"{where}: \"{key}\" must be a list of integer token ids")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
-        raise SpdConfigError(f"{where}: \"{key}\" holds {bad}, not a token id of this model (0..{vocab_size - 1}); "
+        span = f"0..{vocab_size - 1}" if vocab_size is not None else "ids are >= 0"
+        raise SpdConfigError(f"{where}: \"{key}\" holds {bad}, not a token id of this model ({span}); "
                              f"make the ids with this model's tokenizer")
     return ids
 
@@ -174,10 +176,10 @@ DATA_FORMATS = ".jsonl, .jsonl.gz, .json (a list of rows), .parquet (a \"text\" 
 ROW_KEYS = '"messages" (chat), "text", or "prompt_ids" + "response_ids" (token ids)'
 
 
-def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Iterator[dict]:
+def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None) -> Iterator[dict]:
     """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
     the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
-    vocab = target.cfg.vocab_size
+    vocab = target.cfg.vocab_size if target is not None else None  # None: token-id rows read without a model
     if "prompt_ids" in rec:
         if not isinstance(rec.get("response_ids"), list) or not isinstance(rec["prompt_ids"], list):
             raise SpdConfigError(f"{where}: \"prompt_ids\" and \"response_ids\" must both be lists of token ids")
@@ -213,11 +215,12 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target) -> Ite
         raise SpdConfigError(f"{where}: a row needs {ROW_KEYS}; got keys {sorted(rec)}")
 
 
-def text_file_samples(path: str | Path, target: Target) -> Iterator[dict]:
+def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]:
     """Local data: .jsonl (or .jsonl.gz, or a .json list) of rows with {"messages": [...]} (chat; loss on the
     assistant turns), {"text": ...} or {"prompt_ids", "response_ids"}; .parquet with a "text" column; or a
     plain .txt file (one sample per blank-line-separated block). Suffixes are matched in any case; other
-    compressed files and unknown suffixes are refused."""
+    compressed files and unknown suffixes are refused. `target` may be None for token-id rows only (their ids
+    are then checked to be integers >= 0, not against a vocabulary)."""
     path = Path(path)
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz", ".json")):
