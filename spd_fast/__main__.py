@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except SpdConfigError as e:
-        print(f"spd-fast: error: {e}", file=sys.stderr)
+        from .cli_common import cli_message
+
+        print(f"spd-fast: error: {cli_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("spd-fast: interrupted", file=sys.stderr)

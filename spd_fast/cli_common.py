@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -73,6 +74,24 @@ non_negative_float = bounded_float(0.0)
 int_list = _list_of(positive_int, "2,3,5")
 layer_list = _list_of(non_negative_int, "0,10,20,30")  # stage boundaries, anchors
 float_list = _list_of(float, "0,0.7")
+
+
+# The Python API's spellings in the fixes errors suggest -> the command line's flags
+_CLI_WORDS = [(re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
+              (re.compile(r"draft='random'"), "--draft random"),
+              (re.compile(r"draft=None for the shipped head"), "no --draft for the shipped head"),
+              (re.compile(r"\b(larger|smaller) max_len\b"), r"\1 --max-len"),
+              (re.compile(r"\bomit anchors\b"), "omit --anchors"),
+              (re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
+              (re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens")]
+
+
+def cli_message(error: BaseException | str) -> str:
+    """An error's text with the fixes it suggests spelt as command-line flags."""
+    text = str(error)
+    for pattern, repl in _CLI_WORDS:
+        text = pattern.sub(repl, text)
+    return text
 
 
 def check_output(path: str | None, option: str, stem: bool = False) -> None:

@@ -335,6 +335,21 @@ def test_every_stage_count_is_checked_before_the_first_run(capsys, monkeypatch):
         evaluate_acceptance((2, 31), (0.0,), 1, 2, progress=False)
 
 
+def test_errors_name_command_line_flags(capsys):
+    """The fix an API error suggests (num_stages=3, draft='random', max_len) is spelt as the CLI's flags."""
+    from spd_fast.cli_common import cli_message
+
+    head = os.path.join(REPO, "spd_fast", "heads", "smollm2-135m-instruct-n3")
+    rc, _, err = run_cli(["generate", "Hello there", "--draft", head, "-n", "2", "--threads", "1"], capsys)
+    assert rc == 2 and "trained for num_stages=3, not 2; pass -n 3, or --draft random, or train a head" in err, err
+    rc, _, err = run_cli(["generate", "Hello there", "--max-len", "16", "--max-new-tokens", "64", "--threads", "1"],
+                         capsys)
+    assert rc == 2 and "lower --max-new-tokens or load with a larger --max-len" in err, err
+    assert cli_message("omit anchors (a trained head brings its own) or use draft='random'; "
+                       "draft=None for the shipped head") == \
+        "omit --anchors (a trained head brings its own) or use --draft random; no --draft for the shipped head"
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
     """An --out/--output that cannot be written is refused before any model loads, not after the run."""
     from spd_fast.distributed import __main__ as dist_cli

@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except SpdConfigError as e:
-        code, msg = 2, str(e)
+        from ..cli_common import cli_message
+
+        code, msg = 2, cli_message(e)
     except RankFailure as e:
         code, msg = 1, str(e)
     print(f"spd_fast.distributed: error{who}: {msg}", file=sys.stderr)

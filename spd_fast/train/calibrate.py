@@ -279,7 +279,7 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import Parser, check_output, non_negative_int, positive_int
+    from ..cli_common import Parser, check_output, cli_message, non_negative_int, positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = Parser(prog="spd_fast.train.calibrate", description=__doc__,
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
                         copy_boosts=a.copy_boosts)
     except SpdConfigError as e:
-        print(f"spd_fast.train.calibrate: error: {e}", file=sys.stderr)
+        print(f"spd_fast.train.calibrate: error: {cli_message(e)}", file=sys.stderr)
         return 2
     res["head"], res["val"] = str(a.head), a.val
     res["previous_scale"] = head.dcfg.draft_temperature_scale
