@@ -270,6 +270,7 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && w.scalar_type() == at::kFloat &&
               w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
               "rms_norm_rows: contiguous fp32 x [..., H] and w [H]");
+  TORCH_CHECK(w.size(0) >= 1, "rms_norm_rows: H must be >= 1");
   const int64_t H = w.size(0), R = x.numel() / H;
   at::Tensor y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -311,10 +312,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
               "decode_attention: fp32 tensors");
   TORCH_CHECK(q.dim() == 4 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() && vc.is_contiguous(),
               "decode_attention: q [B, T, nh, D], contiguous caches [Bc, nkv, S, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2, "decode_attention: int64 positions [B, T]");
   const int64_t B = q.size(0), T = q.size(1), nh = q.size(2), D = q.size(3);
   const int64_t nkv = kc.size(1), S = kc.size(2);
-  TORCH_CHECK(kc.size(0) >= B && kc.size(3) == D && nh % nkv == 0 && kv_bound >= 1 && kv_bound <= S,
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == B &&
+              positions.size(1) == T, "decode_attention: int64 positions [B, T] = [", B, ", ", T, "], got ",
+              positions.sizes());
+  TORCH_CHECK(kc.size(0) >= B && kc.size(3) == D && nkv >= 1 && nh % nkv == 0 && kv_bound >= 1 && kv_bound <= S,
               "decode_attention: shapes disagree");
   at::Tensor qc = q.contiguous();
   at::Tensor pos = positions.contiguous();

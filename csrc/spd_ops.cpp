@@ -138,7 +138,23 @@ at::Tensor aggregate(const at::Tensor& rows, const at::Tensor& types, const at::
 
 // ---- argmax / greedy verification ---------------------------------------------------------------
 
-// First index of the maximum (torch.argmax's tie rule); NaNs are ignored.
+// First NaN of x, or -1.
+int64_t first_nan(const float* __restrict x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] != x[i]) return i;
+  return -1;
+}
+
+// First index of the maximum, as torch.argmax: ties go to the first, and a NaN counts as the maximum
+// (the vector max would drop it and return an ordinary index instead).
 template <typename T>
 int64_t argmax_row(const T* x, int64_t V) {
   const float* xf;
@@ -150,6 +166,7 @@ int64_t argmax_row(const T* x, int64_t V) {
     for (int64_t i = 0; i < V; ++i) buf[i] = static_cast<float>(x[i]);
     xf = buf.data();
   }
+  if (const int64_t nan_at = first_nan(xf, V); nan_at >= 0) return nan_at;
   const float mx = max_of(xf, V);
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -329,8 +346,10 @@ int64_t sample_cdf(const float* w, int64_t V, float u, double total) {
   return 0;
 }
 
-void check_sampling(const at::Tensor& logits, const at::Tensor& u, int64_t B, int64_t nu, const char* op) {
+void check_sampling(const at::Tensor& logits, const at::Tensor& u, int64_t B, int64_t nu, const char* op,
+                    double top_p) {
   TORCH_CHECK(logits.device().is_cpu() && u.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1], got ", top_p);
   TORCH_CHECK(u.scalar_type() == at::kFloat && u.numel() == B * nu, op, ": u must be float32 with ", nu,
               " uniforms per row");
 }
@@ -358,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor> verify_sampling(const at::Tensor& logits, con
   TORCH_CHECK(temperature > 0, "verify_sampling_cpp: temperature must be > 0 (greedy uses verify_greedy)");
   const at::Tensor l = logits.reshape({-1, logits.size(-1)}).contiguous();
   const int64_t B = l.size(0), V = l.size(1);
-  check_sampling(l, u, B, 2, "verify_sampling_cpp");
+  check_sampling(l, u, B, 2, "verify_sampling_cpp", top_p);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.numel() == B * V, "verify_sampling_cpp: q must be float32 [B, V]");
   TORCH_CHECK(draft.numel() == B, "verify_sampling_cpp: draft_token must have one entry per row");
   const at::Tensor qc = q.reshape({B, V}).contiguous(), uc = u.reshape({B, 2}).contiguous();
@@ -393,7 +412,7 @@ std::tuple<at::Tensor, at::Tensor> draft_sample(const at::Tensor& logits_d, cons
   TORCH_CHECK(temperature > 0, "draft_sample_cpp: temperature must be > 0 (greedy drafting is an argmax)");
   const at::Tensor l = logits_d.reshape({-1, logits_d.size(-1)}).contiguous();
   const int64_t B = l.size(0), Vd = l.size(1);
-  check_sampling(l, u, B, 1, "draft_sample_cpp");
+  check_sampling(l, u, B, 1, "draft_sample_cpp", top_p);
   TORCH_CHECK(draft_vocab.dim() == 1 && draft_vocab.size(0) == Vd, "draft_sample_cpp: draft_vocab must be [V_d]");
   const at::Tensor dv = draft_vocab.to(at::kLong).contiguous(), uc = u.reshape({B}).contiguous();
   const int64_t* dvp = dv.data_ptr<int64_t>();

@@ -2,7 +2,8 @@
 
 `available()` builds once per process (a cached build loads in well under a second); without a
 compiler, or when the build fails, it warns once and returns False, and `spd_fast.kernels` falls
-back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR, else ~/.cache/spd_fast/cpp.
+back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR/spd_fast, else ~/.cache/spd_fast/cpp, one
+subdirectory per CPU kind (machine and instruction-set flags).
 
 Concurrent builders (several ranks starting at once) queue on an flock in the build directory.
 torch's own build lock is a plain file that a killed builder leaves behind, after which every later
@@ -28,8 +29,24 @@ _state: dict[str, object] = {}
 
 
 def build_dir() -> Path:
+    """One build per CPU kind: the ops are compiled with -march=native, so a build made on an AVX-512 host
+    would die of an illegal instruction on an AVX2 host sharing the same home directory or image."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(root) / "spd_fast" if root else Path.home() / ".cache" / "spd_fast" / "cpp"
+    base = Path(root) / "spd_fast" if root else Path.home() / ".cache" / "spd_fast" / "cpp"
+    return base / _cpu_key()
+
+
+def _cpu_key(cpuinfo: str = "/proc/cpuinfo") -> str:
+    import hashlib
+    import platform
+
+    flags = ""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
 
 
 def _build() -> None:

@@ -180,7 +180,7 @@ class Attention(nn.Module):
         kc[b_idx, :, positions] = k.to(kc.dtype)
         vc[b_idx, :, positions] = v.to(vc.dtype)
         if self.fused and T <= 8 and q.dtype == torch.float32 and not torch.is_grad_enabled():
-            o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions, kv_bound)
+            o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions.expand(B, T), kv_bound)
             return self.wo(o.reshape(B, T, self.nh * self.hd))
         keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
         if mask is None:

@@ -109,6 +109,57 @@ def test_fused_decode_ops_match_the_aten_path():
         torch.ops.spd_fast.decode_attention(q.double(), kc, vc, positions, 8)
 
 
+def test_fused_ops_check_their_shapes():
+    """Shapes the C++ ops cannot serve raise (they used to read past positions, or die of SIGFPE); the model
+    broadcasts one row of positions over the batch as its ATen path does."""
+    from spd_fast.config import ModelConfig
+    from spd_fast.model import Transformer
+
+    q, kc = torch.randn(3, 2, 2, 16), torch.randn(3, 1, 8, 16)
+    with pytest.raises(RuntimeError, match=r"decode_attention: int64 positions \[B, T\] = \[3, 2\], got \[1, 2\]"):
+        torch.ops.spd_fast.decode_attention(q, kc, kc, torch.tensor([[5, 6]]), 8)
+    with pytest.raises(RuntimeError, match="decode_attention: shapes disagree"):  # no KV heads
+        torch.ops.spd_fast.decode_attention(q, torch.empty(3, 0, 8, 16), torch.empty(3, 0, 8, 16),
+                                            torch.zeros(3, 2, dtype=torch.long), 8)
+    with pytest.raises(RuntimeError, match="rms_norm_rows: H must be >= 1"):
+        torch.ops.spd_fast.rms_norm_rows(torch.empty(3, 0), torch.empty(0), 1e-5)
+    torch.manual_seed(0)
+    net = Transformer(ModelConfig("llama", 100, 64, 128, 2, 4, 2, 16)).eval()
+    net.setup_caches(3, 64)
+    ids, pos = torch.randint(0, 100, (3, 4)), torch.arange(4)[None]
+    with torch.no_grad():
+        ref = net(ids, pos)
+        packed.enable_fused_ops(net)
+        assert net.layers[0].attn.fused
+        torch.testing.assert_close(net(ids, pos), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_argmax_treats_nan_as_torch_does():
+    """A NaN logit: torch.argmax returns its index; the vector max used to drop it and name another token."""
+    x = torch.full((24,), -5.0)
+    x[0], x[8], x[16] = 10.0, float("nan"), 1.0
+    for v in (x, x[:5], x.bfloat16()):
+        assert int(torch.ops.spd_fast.verify_greedy_cpp(v, torch.tensor(0))[1]) == int(torch.argmax(v))
+    x[8] = 0.0
+    assert int(torch.ops.spd_fast.verify_greedy_cpp(x, torch.tensor(0))[1]) == 0
+
+
+def test_cpp_sampling_ops_refuse_top_p_outside_0_1():
+    logits, q, u = torch.randn(10), torch.full((10,), 0.1), torch.rand(2)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(RuntimeError, match=r"verify_sampling_cpp: top_p must be in \(0, 1\]"):
+            torch.ops.spd_fast.verify_sampling_cpp(logits, torch.tensor(0), q, 1.0, 0, bad, u)
+
+
+def test_cpp_build_is_kept_per_cpu_kind(tmp_path):
+    avx2, avx512 = tmp_path / "a", tmp_path / "b"
+    avx2.write_text("processor : 0\nflags : fpu sse avx avx2 fma\n")
+    avx512.write_text("processor : 0\nflags : fpu sse avx avx2 fma avx512f avx512bw\n")
+    keys = {cpp_ops._cpu_key(str(avx2)), cpp_ops._cpu_key(str(avx512))}
+    assert len(keys) == 2 and cpp_ops._cpu_key(str(avx2)) == cpp_ops._cpu_key(str(avx2))
+    assert cpp_ops.build_dir().name == cpp_ops._cpu_key()
+
+
 def test_packed_cpp_ops_have_fakes_for_torch_compile():
     """Each C++ op of csrc/gguf_linear.cpp has a schema and a fake that agree with the real op."""
     check = ("test_schema", "test_faketensor")
