@@ -179,6 +179,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b = _pick("decode_attention", backend, q)
     if b == "triton":
         return _tk("decode").decode_attention(q, k_cache, v_cache, positions, kv_bound)
-    if b == "cpp" and q.dtype == torch.float32:
-        return cpp_ops.op("decode_attention")(q, k_cache, v_cache, positions, kv_bound)
+    if b == "cpp" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:  # the op is fp32 only
+        return cpp_ops.op("decode_attention")(q, k_cache, v_cache, positions.expand(q.shape[0], q.shape[1]), kv_bound)
     return ops_explicit.decode_attention(q, k_cache, v_cache, positions, kv_bound)

@@ -478,6 +478,10 @@ def test_decode_attention_split_k_matches_the_model(device, splits, cpp):
         assert_close_verbose(twin, want, 1e-5, 1e-5, "twin")
         cpp_out = kernels.decode_attention(q, kc, vc, positions, bound, backend="cpp")
         assert_close_verbose(cpp_out, want, 1e-5, 1e-5, "C++")
+        # a bf16 cache: the fp32-only C++ op hands over to the twin instead of raising
+        bf = kernels.decode_attention(q, kc.bfloat16(), vc.bfloat16(), positions, bound, backend="cpp")
+        assert torch.equal(bf, kernels.decode_attention(q, kc.bfloat16(), vc.bfloat16(), positions, bound,
+                                                        backend="torch"))
     with pytest.raises(ValueError, match="kv_bound must be in 1..40"):
         launch_decode_attention(q.to(dev), kc.to(dev), vc.to(dev), positions.to(dev), 41)
     with pytest.raises(ValueError, match="positions must be int64"):
