@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import sys
 
 
 def _open(path: str, mode: str = "r"):
@@ -25,7 +27,14 @@ def _open(path: str, mode: str = "r"):
 def dedupe(inputs: list[str], exclude: list[str], out: str) -> tuple[int, int]:
     """Write the new rows of `inputs` to `out`; return (rows read, rows kept)."""
     seen = set()
+    if any(os.path.exists(f) and os.path.exists(out) and os.path.samefile(f, out) for f in inputs):
+        raise SystemExit(f"--out {out} is also an input: it would be emptied before it is read; write elsewhere")
+    same = [f for f in exclude if os.path.exists(f) and os.path.exists(out) and os.path.samefile(f, out)]
+    if same:  # a glob like data/*.jsonl.gz that also matches --out: its own rows would empty it
+        print(f"dedupe_prompts: not excluding {same[0]}, the --out file itself", file=sys.stderr)
     for f in exclude:
+        if f in same:
+            continue
         with _open(f) as fh:
             seen.update(json.loads(line).get("prompt") for line in fh)
     read = kept = 0

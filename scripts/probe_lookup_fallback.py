@@ -10,7 +10,7 @@ On the held-out long answers (full fill, as `spd_fast.train.calibrate`), with th
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import warnings
 
 import torch
@@ -24,7 +24,9 @@ def main() -> None:
     from spd_fast.train.calibrate import lookup_matches, teacher_rows
     from spd_fast.train.data import read_val_samples
 
-    head_dir = sys.argv[1] if len(sys.argv) > 1 else "spd_fast/heads/smollm2-135m-instruct-n3"
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("head", nargs="?", default="spd_fast/heads/smollm2-135m-instruct-n3", help="head directory")
+    head_dir = p.parse_args().head
     torch.set_num_threads(1)
     target = load_target(None)
     head = load_draft(head_dir, target.model, target.fingerprint)

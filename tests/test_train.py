@@ -612,6 +612,23 @@ def test_dedupe_prompts_drops_excluded_and_repeated_prompts(tmp_path):
     assert [json.loads(line)["prompt"] for line in (tmp_path / "out2.jsonl").read_text().splitlines()] == ["c", "d"]
 
 
+def test_dedupe_prompts_never_empties_its_own_output(tmp_path):
+    """A glob exclude (data/*.jsonl.gz) that also matches --out: regenerating that file must not drop its own
+    rows; --out given as an input is refused before it is truncated."""
+    import json
+    rows = lambda *ps: "".join(json.dumps({"prompt": p, "response_ids": [i]}) + "\n" for i, p in enumerate(ps))
+    (tmp_path / "new.jsonl").write_text(rows("a", "b"))
+    (tmp_path / "old.jsonl").write_text(rows("a"))
+    (tmp_path / "out.jsonl").write_text(rows("b"))  # the earlier run's output
+    r = _run_dedupe(tmp_path, "new.jsonl", "--exclude", "old.jsonl", "out.jsonl", "--out", "out.jsonl")
+    assert r.returncode == 0 and "not excluding out.jsonl, the --out file itself" in r.stderr, r.stderr
+    assert [json.loads(x)["prompt"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["b"]
+    before = (tmp_path / "out.jsonl").read_text()
+    r = _run_dedupe(tmp_path, "out.jsonl", "--out", "out.jsonl")
+    assert r.returncode == 1 and "--out out.jsonl is also an input" in r.stderr
+    assert (tmp_path / "out.jsonl").read_text() == before
+
+
 def test_dedupe_prompts_reads_and_writes_gzip(tmp_path):
     import gzip
     import json
