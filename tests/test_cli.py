@@ -52,7 +52,10 @@ def test_generate_streams_then_summary(capsys):
     rc, out, err = run_cli(["generate", "The capital of France is", "-n", "2", "--max-new-tokens", "4",
                             "--draft", "random"], capsys)
     assert rc == 0, err
-    assert out.strip()
+    import spd_fast  # the streamed text is exactly what generate() returns for the same settings
+
+    eng = spd_fast.load(draft="random", num_stages=2, progress=False)
+    assert out == eng.generate("The capital of France is", max_new_tokens=4).text + "\n"
     summary = err.strip().splitlines()[-1]
     for word in ("tokens", "tok/s", "acceptance", "tokens/cycle", "equivalent accept length", "n=2"):
         assert word in summary
@@ -105,6 +108,33 @@ def test_eval_json_and_files(capsys, tmp_path):
     assert overall["accepted"] == sum(r["accepted"] for r in res["rows"][:3])
     assert overall["acceptance_rate"] == pytest.approx(overall["accepted"] / overall["verifications"])
     assert "repeated 4-grams" in (tmp_path / "acc.md").read_text()
+
+
+def test_eval_rows_pool_the_answers_counts(monkeypatch):
+    """evaluate_acceptance sums each answer's counts into its rows (pooled, not averaged): a fake engine whose
+    answers repeat known 4-grams and accept known drafts gives rows that can be checked by hand."""
+    from types import SimpleNamespace
+
+    import spd_fast
+    from spd_fast.evaluate import evaluate_acceptance
+
+    answers = iter([[1, 2, 3, 4, 1, 2, 3, 4, 1], [5, 5, 5, 5, 5, 5], [7, 8, 9]] * 2)  # (2, 6), (2, 3), (0, 0)
+    counts = iter([(4, 2), (6, 6), (2, 0)] * 2)
+
+    class Fake:
+        draft_source, target = "fake", SimpleNamespace(cfg=SimpleNamespace(num_layers=30))
+
+        def generate(self, msgs, max_new_tokens, temperature, seed, method):
+            ids, (ver, acc) = next(answers), next(counts)
+            return SimpleNamespace(token_ids=ids, metrics={"verifications": ver, "accepted": acc, "cycles": ver + 1,
+                                                          "new_tokens": len(ids), "decode_seconds": 0.1})
+
+    monkeypatch.setattr(spd_fast, "load", lambda **kw: Fake())
+    res = evaluate_acceptance((3,), (0.0,), 2, 9, categories=("chat",), with_ar=False, progress=False)
+    (chat, overall) = res["rows"]
+    assert chat["answer_repeat_share"] == pytest.approx((2 + 2) / (6 + 3))  # two chat prompts: answers 1 and 2
+    assert chat["acceptance_rate"] == pytest.approx((2 + 6) / (4 + 6)) and chat["mean_new_tokens"] == 7.5
+    assert overall["answer_repeat_share"] == chat["answer_repeat_share"]
 
 
 def test_repeat_share_against_brute_force():
@@ -188,6 +218,8 @@ def test_info_text_and_json(capsys):
     assert d["versions"]["torch"] and d["device"] in ("cpu", "cuda")
     assert {"triton", "flash_attn", "cpp_ops"} <= set(d["accelerations"])
     assert isinstance(d["cached_models"], list) and isinstance(d["shipped_heads"], list)
+    from spd_fast.api import HEADS_DIR  # every shipped head is listed (the checks below would pass on none)
+    assert {h["name"] for h in d["shipped_heads"]} == {p.name for p in HEADS_DIR.iterdir() if p.is_dir()}
     for h in d["shipped_heads"]:  # each shipped head is readable and states its sampling calibration
         assert "error" not in h and 0.05 <= h["draft_temperature_scale"] <= 20
         assert len(h["lookup_gate"]) == 2 and all(0 <= v <= 1 for v in h["lookup_gate"])
@@ -225,6 +257,10 @@ def test_train_tiny_run(capsys, tmp_path, tiny_checkpoint):
                          capsys)
     assert rc == 0, err
     assert (out_dir / "train_config.json").is_file() and '"done": true' in err
+    from spd_fast.pdm import read_draft_config  # the head has the shape asked for
+
+    dc = read_draft_config(out_dir / "head")
+    assert dc.num_stages == 2 and dc.draft_vocab_size == 64
 
 
 def test_train_missing_data_file(capsys, tmp_path, tiny_checkpoint):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def test_killed_rank_makes_the_others_exit(tmp_path):
     rc = [p.returncode for p in job.procs]
     assert rc[1] == 17 and rc[0] == 1 and rc[2] == 1, (rc, [job.stderr(r)[-2000:] for r in range(3)])
     for r in (0, 2):
-        assert "lost rank 1" in job.stderr(r) or "lost rank" in job.stderr(r), job.stderr(r)[-2000:]
+        # rank 1 died; the other survivor may already be gone too, so either names a rank other than itself
+        assert re.search(rf"lost rank (?!{r}\b)\d", job.stderr(r)), job.stderr(r)[-2000:]
         # "within the timeout": much sooner, the broken connection is noticed at once
         assert job.exit_time[r] - job.exit_time[1] < timeout, (r, job.exit_time)
     assert "the connection was lost" in job.stderr(0) + job.stderr(2)

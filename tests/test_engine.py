@@ -187,6 +187,7 @@ def test_rollback_caches_equal_fresh_run(tiny_checkpoint):
     pl = int(st.pdm_len)
     for la, lb in zip(head.layers, fresh_head.layers):
         torch.testing.assert_close(la.attn.k_cache[0, :, :pl], lb.attn.k_cache[0, :, :pl], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(la.attn.v_cache[0, :, :pl], lb.attn.v_cache[0, :, :pl], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n", [4, 5, 6])

@@ -98,8 +98,11 @@ def test_lookup_option_reaches_the_drafter(tiny_checkpoint):
     assert eng.spd.drafter.lookup == 0
     from spd_fast.__main__ import build_parser
 
-    args = build_parser().parse_args(["generate", "--user", "hi", "--lookup", "5"])
-    assert args.lookup == 5
+    from spd_fast.cli_common import load_engine
+
+    args = build_parser().parse_args(["generate", "--user", "hi", "--lookup", "5", "--model", tiny_checkpoint("llama"),
+                                      "--draft", "random"])
+    assert load_engine(args, 2, quiet=True).spd.drafter.lookup == 5  # the CLI option reaches the drafter
 
 
 def test_lookup_argument_errors():

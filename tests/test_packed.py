@@ -156,7 +156,7 @@ def test_cpp_build_is_kept_per_cpu_kind(tmp_path):
     avx2.write_text("processor : 0\nflags : fpu sse avx avx2 fma\n")
     avx512.write_text("processor : 0\nflags : fpu sse avx avx2 fma avx512f avx512bw\n")
     keys = {cpp_ops._cpu_key(str(avx2)), cpp_ops._cpu_key(str(avx512))}
-    assert len(keys) == 2 and cpp_ops._cpu_key(str(avx2)) == cpp_ops._cpu_key(str(avx2))
+    assert len(keys) == 2  # another instruction set, another build
     assert cpp_ops.build_dir().name == cpp_ops._cpu_key()
 
 

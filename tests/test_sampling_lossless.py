@@ -183,3 +183,5 @@ def test_seeded_spd_sampling_reproducible(small_model):
     a = eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(3)).token_ids
     b_ = eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(3)).token_ids
     assert a == b_
+    others = {tuple(eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(s)).token_ids) for s in (4, 5, 6)}
+    assert others - {tuple(a)}  # the generator drives the samples: other seeds give other tokens

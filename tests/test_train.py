@@ -149,6 +149,15 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(v.to(v2.dtype), v2, atol=1e-2, rtol=1e-2)  # saved in bf16
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
     assert 0 in loaded.draft_vocab.tolist()  # EOS always in the draft vocabulary
+    # a rerun of the finished run resumes its weights and optimiser state exactly (no step left to take)
+    saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    again = train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
+    for (k, v), (k2, v2) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    resaved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    moments = [(k, t) for k, st in saved["opt"]["state"].items() for t in st.values() if torch.is_tensor(t)]
+    assert moments and all(torch.equal(t, resaved["opt"]["state"][k][name])
+                           for k, st in saved["opt"]["state"].items() for name, t in st.items() if torch.is_tensor(t))
     # resume: a longer run continues from step 4 instead of starting over
     logs = []
     cfg2 = TrainConfig(steps=6, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
@@ -813,6 +822,12 @@ def test_time_budget_shortens_the_lr_schedule_of_a_real_run(tiny_checkpoint, tmp
     set_to = [json.loads(x)["steps"] for x in logs if '"time_budget_s"' in x]
     state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
     assert len(set_to) == 1 and 20 <= set_to[0] < 100_000 and state["step"] == set_to[0]
+    total = set_to[0]  # once fitted, the logged LR follows the linear decay to 0 at that step, not at 100,000
+    after = logs[next(i for i, x in enumerate(logs) if '"time_budget_s"' in x):]
+    lrs = [(d["step"], d["lr"]) for d in map(json.loads, (x for x in after if x.startswith("{"))) if "lr" in d]
+    assert len(lrs) >= 2 and lrs[-1][0] > total - cfg.log_every
+    for step, lr in lrs:
+        assert lr == pytest.approx(cfg.lr * max(0.0, 1 - (step - 1) / (total - 1)), rel=1e-6, abs=1e-12), (step, lr)
 
 
 def test_torchrun_data_parallel_equals_the_mean_loss_step(tiny_checkpoint, tmp_path):

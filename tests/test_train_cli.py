@@ -70,6 +70,10 @@ def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
                         "--save-every", "2"), capsys)
     assert rc == 0, err
     assert '"done": true' in err and (tmp_path / "o" / "best_head" / "val.json").is_file()
+    from spd_fast.pdm import read_draft_config
+
+    dc = read_draft_config(tmp_path / "o" / "head")  # small(): n=3, a 64-token draft vocabulary
+    assert dc.num_stages == 3 and dc.draft_vocab_size == 64
 
 
 @pytest.mark.parametrize("name,content,message", [

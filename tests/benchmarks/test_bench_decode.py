@@ -36,6 +36,8 @@ def test_decode_spd(benchmark: Any, request: Any, n: int) -> None:
     runs = _run(benchmark, eng, "spd")
     tps = statistics.median(decode_tokens_per_s(m) for m in runs)
     m = runs[-1]
+    # a speed figure for wrong output is worthless: greedy SPD must equal AR token for token
+    assert eng.generate(PROMPT, NEW_TOKENS, method="spd").token_ids == eng.generate(PROMPT, NEW_TOKENS, method="ar").token_ids
     record(request, benchmark, method="spd", n=n, draft=eng.draft_source, new_tokens=NEW_TOKENS, tokens_per_s=tps,
            ar_tokens_per_s=ar, ratio_vs_ar=tps / ar, acceptance_rate=m["acceptance_rate"],
            tokens_per_cycle=m["tokens_per_cycle"], equivalent_accept_length=m["equivalent_accept_length"],
