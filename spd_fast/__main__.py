@@ -48,12 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             from .distributed.__main__ import main as distributed_main
 
             return distributed_main(argv[1:])
-        args = build_parser().parse_args(argv)
-        return args.func(args)
-    except SpdConfigError as e:
-        from .cli_common import cli_message
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            return args.func(args)
+        except SpdConfigError as e:
+            from .cli_common import cli_message
 
-        print(f"spd-fast: error: {cli_message(e)}", file=sys.stderr)
+            raise SpdConfigError(cli_message(e, parser, args.command)) from None
+    except SpdConfigError as e:
+        print(f"spd-fast: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("spd-fast: interrupted", file=sys.stderr)

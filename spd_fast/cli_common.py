@@ -77,20 +77,27 @@ float_list = _list_of(float, "0,0.7")
 
 
 # The Python API's spellings in the fixes errors suggest -> the command line's flags
-_CLI_WORDS = [(re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
-              (re.compile(r"draft='random'"), "--draft random"),
-              (re.compile(r"draft=None for the shipped head"), "no --draft for the shipped head"),
-              (re.compile(r"\b(larger|smaller) max_len\b"), r"\1 --max-len"),
-              (re.compile(r"\bomit anchors\b"), "omit --anchors"),
-              (re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
-              (re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens")]
+# (the flag a rewrite needs, the API's spelling, the flag's spelling)
+_CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
+              ("--draft", re.compile(r"draft='random'"), "--draft random"),
+              ("--draft", re.compile(r"draft=None for the shipped head"), "no --draft for the shipped head"),
+              ("--max-len", re.compile(r"\b(larger|smaller) max_len\b"), r"\1 --max-len"),
+              ("--anchors", re.compile(r"\bomit anchors\b"), "omit --anchors"),
+              ("--draft-layers", re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
+              ("--max-new-tokens", re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens")]
 
 
-def cli_message(error: BaseException | str) -> str:
-    """An error's text with the fixes it suggests spelt as command-line flags."""
+def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, command: str | None = None) -> str:
+    """An error's text with the fixes it suggests spelt as the flags of `parser` (or of its subcommand
+    `command`); a fix whose flag that command lacks keeps the API's wording."""
+    if command is not None:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[command]
+    flags = set(parser._option_string_actions)
     text = str(error)
-    for pattern, repl in _CLI_WORDS:
-        text = pattern.sub(repl, text)
+    for flag, pattern, repl in _CLI_WORDS:
+        if flag in flags:
+            text = pattern.sub(repl, text)
     return text
 
 
@@ -102,8 +109,9 @@ def check_output(path: str | None, option: str, stem: bool = False) -> None:
 
     if not path:
         return
-    p = Path(path).expanduser()
-    if p.is_dir() or str(path).endswith(("/", os.sep)):
+    p = Path(path)  # as the writers will use it (no ~ expansion: the shell does that)
+    # a stem (eval) may name a directory: <stem>.json and <stem>.md are written beside it
+    if (p.is_dir() and not stem) or str(path).endswith(("/", os.sep)):
         example = f"{path.rstrip('/' + os.sep)}/{'acceptance' if stem else 'results.json'}"
         raise SpdConfigError(f"{option} {path} is a directory; name a file{' stem' if stem else ''} in it, "
                              f"e.g. {example}")

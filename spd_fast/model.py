@@ -257,8 +257,10 @@ class Transformer(nn.Module):
         for dev in devices:  # several with placement="devices": each holds its own layers' caches
             mine = [layer.attn for layer in self.layers if layer.attn.wqkv.weight.device == dev]
             freed = sum(c.numel() * c.element_size() for a in mine for c in (a.k_cache, a.v_cache) if c is not None)
-            check_cache_fits(len(mine) * per_layer - freed, dev, f"the KV cache for max_len={max_len} and batch {max_batch}",
-                             "use a smaller max_len (the longest prompt plus new tokens it must hold)")
+            fix = ("use a smaller max_len (the longest prompt plus new tokens it must hold)" if max_batch == 1
+                   else "use a smaller max_len or batch (e.g. --gen-batch, --batch-tokens when training)")
+            check_cache_fits(len(mine) * per_layer - freed, dev,
+                             f"the KV cache for max_len={max_len} and batch {max_batch}", fix)
         # Normal tensors even when called under inference mode (the engine's decoder): an inference
         # tensor could never again be written, or read by a graph-recording op, outside it.
         with torch.inference_mode(False):

@@ -126,7 +126,8 @@ class DraftConfig:
         if num_layers < 1:
             raise SpdConfigError(f"the draft head needs at least one decoder layer, got num_layers={num_layers}")
         V = target_cfg.vocab_size
-        if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or not 0 <= draft_vocab_size <= V:
+        size = draft_vocab_size
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= V:
             raise SpdConfigError(f"draft vocabulary size {draft_vocab_size!r} is out of range; use 1..{V} (the "
                                  f"model's vocabulary), or 0 for all of it")
         return DraftConfig(len(b) - 1, b, a, num_layers, draft_vocab_size or target_cfg.vocab_size,
@@ -207,9 +208,6 @@ class DraftConfig:
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
         if not isinstance(d.get("weights", WEIGHTS_FILE), str):
             raise TypeError(f"'weights' must be a file name, got {d['weights']!r}")
-        if Path(d.get("weights", WEIGHTS_FILE)).is_absolute():  # a head must still load once its directory moves
-            raise TypeError(f"'weights' must be relative to the head directory (e.g. {WEIGHTS_FILE!r} or "
-                            f"'../other-head/{WEIGHTS_FILE}'), got the absolute path {d['weights']!r}")
         if d.get("num_stages") != len(d["boundaries"]) - 1:
             raise TypeError(f"num_stages {d.get('num_stages')!r} disagrees with boundaries {list(d['boundaries'])}")
         for k in ("num_layers", "draft_vocab_size", "base_hidden_size", "base_num_layers", "base_vocab_size"):

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -118,7 +119,8 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
             else:
                 AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(
-                {"source": str(path), "format": _FORMAT, "torch": torch.__version__}))
+                {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
+                 "torch": torch.__version__}))
             _publish(tmp, out)
         except OSError as e:  # a full disk while writing
             raise unwritable(e) from None
@@ -165,14 +167,17 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def _prune_older_conversions(path: Path, keep: Path) -> None:
-    """Drop conversions of earlier versions of the same GGUF path (a reinstall changes its mtime, so the
-    cache key): each holds a full copy of the model. Other models' conversions are left alone."""
+    """Drop conversions of earlier versions of the same GGUF file (a reinstall changes its mtime, so the
+    cache key): each holds a full copy of the model. Only this host's conversions of this resolved path
+    go: other files, and other hosts sharing the cache (each with its own install at that path), keep
+    theirs."""
+    source, host = str(path.resolve()), socket.gethostname()
     for d in keep.parent.iterdir():
         if d == keep or d.name.startswith(".") or not _finished(d):
             continue
         try:
-            source = json.loads((d / _MARKER).read_text()).get("source")
-        except (OSError, ValueError, AttributeError):
+            marker = json.loads((d / _MARKER).read_text())
+        except (OSError, ValueError):
             continue
-        if source == str(path):
+        if isinstance(marker, dict) and marker.get("source") == source and marker.get("host") == host:
             shutil.rmtree(d, ignore_errors=True)

@@ -381,9 +381,16 @@ def test_errors_name_command_line_flags(capsys):
     rc, _, err = run_cli(["generate", "Hello there", "--max-len", "16", "--max-new-tokens", "64", "--threads", "1"],
                          capsys)
     assert rc == 2 and "lower --max-new-tokens or load with a larger --max-len" in err, err
-    assert cli_message("omit anchors (a trained head brings its own) or use draft='random'; "
-                       "draft=None for the shipped head") == \
-        "omit --anchors (a trained head brings its own) or use --draft random; no --draft for the shipped head"
+    from spd_fast.__main__ import build_parser
+    from spd_fast.distributed.__main__ import build_parser as distributed_parser
+
+    msg = "omit anchors (a trained head brings its own) or use draft='random'; draft=None for the shipped head"
+    assert cli_message(msg, build_parser(), "bench") == \
+        "omit anchors (a trained head brings its own) or use --draft random; no --draft for the shipped head"
+    assert cli_message("omit anchors", distributed_parser()) == "omit --anchors"
+    # only the flags the command has: bench has no --max-len, the distributed CLI no -n
+    assert cli_message("load with a larger max_len", build_parser(), "bench") == "load with a larger max_len"
+    assert cli_message("pass num_stages=3, or draft='random'", distributed_parser()) == "pass num_stages=3, or --draft random"
 
 
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
@@ -395,8 +402,8 @@ def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
     afile.write_text("x")
     cases = [(["bench", "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file in it"),
              (["bench", "--out", f"{afile}/r.json"], f"{afile} is a file, not a directory"),
-             (["eval", "--out", str(tmp_path)], "is a directory; name a file stem in it, e.g. "
-                                                f"{tmp_path}/acceptance")]
+             (["eval", "--out", f"{tmp_path}/"], "is a directory; name a file stem in it, e.g. "
+                                                  f"{tmp_path}/acceptance")]
     for argv, msg in cases:
         rc, _, err = run_cli(argv, capsys)
         assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, (argv, err)

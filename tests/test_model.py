@@ -72,6 +72,8 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint
     with pytest.raises(SpdConfigError, match=r"the KV cache for max_len=10000000 and batch 1 needs [\d.]+ GiB but only "
                                              r"0.0 GiB is free on cpu; use a smaller max_len"):
         m.setup_caches(1, 10_000_000)
+    with pytest.raises(SpdConfigError, match=r"batch 8 needs .* use a smaller max_len or batch \(e.g. --gen-batch"):
+        m.setup_caches(8, 63)
     assert m.max_len == 63 and m.layers[0].attn.k_cache.shape[2] == 64  # the old caches are kept
     m.setup_caches(1, 150)  # 151 slots: fits once the 64 old ones are freed
     assert m.max_len == 150
@@ -221,7 +223,25 @@ def test_gguf_conversion_drops_conversions_of_earlier_versions_of_the_same_file(
     second = store.convert_gguf(gguf, progress=False)
     assert second != first and (second / "spd_fast_converted.json").is_file()
     assert not first.exists() and kept.is_dir() and partial.is_dir()
-    assert json.loads((kept / "spd_fast_converted.json").read_text())["source"] == str(other)
+    assert json.loads((kept / "spd_fast_converted.json").read_text())["source"] == str(other.resolve())
+    # another host sharing the cache, with its own install at the same path: its conversion stays
+    foreign = second.parent / "m-otherhost"
+    foreign.mkdir()
+    (foreign / "spd_fast_converted.json").write_text(json.dumps({"source": str(gguf.resolve()), "host": "elsewhere"}))
+    os.utime(gguf, (1_100_000_000, 1_100_000_000))
+    third = store.convert_gguf(gguf, progress=False)
+    assert not second.exists() and third.is_dir() and foreign.is_dir()
+    # the same file name in another directory, given relatively: another model, not pruned
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "model.gguf").write_bytes(b"a")
+    (tmp_path / "b" / "model.gguf").write_bytes(b"b")
+    monkeypatch.chdir(tmp_path / "a")
+    in_a = store.convert_gguf(store.Path("model.gguf"), progress=False)
+    monkeypatch.chdir(tmp_path / "b")
+    in_b = store.convert_gguf(store.Path("model.gguf"), progress=False)
+    assert in_a != in_b and in_a.is_dir() and in_b.is_dir()
 
 
 def test_gguf_conversion_with_tokenizer_files_from_an_earlier_conversion(tmp_path, monkeypatch):

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits for a message before declaring its peer lost (default 30)")
     p.add_argument("--startup-timeout", type=float, default=60.0,
                    help="the same for joining and loading (default 60)")
-    p.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads per rank (default: torch's choice)")
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch CPU threads per rank (default: torch's choice)")
     add_lookup_option(p)
     p.add_argument("--json", action="store_true", help="print a JSON document instead of the text")
     p.add_argument("--output", help="also write the JSON results to this file (rank 0)")
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from .launch import shutdown
 
     check_prompt_args(args)
-    check_output(args.output, "--output")
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes it (other hosts may lack that folder)
+        check_output(args.output, "--output")
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpdConfigError as e:
         from ..cli_common import cli_message
 
-        code, msg = 2, cli_message(e)
+        code, msg = 2, cli_message(e, build_parser())
     except RankFailure as e:
         code, msg = 1, str(e)
     print(f"spd_fast.distributed: error{who}: {msg}", file=sys.stderr)

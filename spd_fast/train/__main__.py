@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = init_rank(a.device, startup_timeout=3600.0)
             rank, world, device = ctx.rank, ctx.world_size, ctx.device
     except SpdConfigError as e:
-        print(f"spd_fast.train: error: {cli_message(e)}", file=sys.stderr)
+        print(f"spd_fast.train: error: {cli_message(e, build_parser())}", file=sys.stderr)
         return 2
     if device.type == "cpu":
         heap.tune()
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
               val_samples=val, train_lm_head=a.train_lm_head)
         log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
     except SpdConfigError as e:
-        print(f"spd_fast.train: error: {cli_message(e)}", file=sys.stderr)
+        print(f"spd_fast.train: error: {cli_message(e, build_parser())}", file=sys.stderr)
         return 2
     finally:
         if world > 1 and dist.is_initialized():

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
                         copy_boosts=a.copy_boosts)
     except SpdConfigError as e:
-        print(f"spd_fast.train.calibrate: error: {cli_message(e)}", file=sys.stderr)
+        print(f"spd_fast.train.calibrate: error: {cli_message(e, p)}", file=sys.stderr)
         return 2
     res["head"], res["val"] = str(a.head), a.val
     res["previous_scale"] = head.dcfg.draft_temperature_scale
