@@ -127,11 +127,10 @@ def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypa
     replace nor delete the directory the first one published (it may already be loading it)."""
     import json
 
-    import transformers
+    from spd_fast import gguf_loader
 
-    from spd_fast import gguf_loader, store
-
-    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    store = _fake_conversion(monkeypatch, tmp_path)
+    fake_read = gguf_loader.read_gguf
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not read")
     out = store.cache_root() / "models" / store._gguf_key(gguf)
@@ -140,14 +139,9 @@ def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypa
         out.mkdir(parents=True)
         (out / "winner.txt").write_text("first")
         (out / "spd_fast_converted.json").write_text(json.dumps({"source": str(path)}))
-        return {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}
-
-    class Tok:
-        def save_pretrained(self, d):
-            pass
+        return fake_read(path)
 
     monkeypatch.setattr(gguf_loader, "read_gguf", read_while_another_process_publishes)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
     assert store.convert_gguf(gguf, progress=False) == out
     assert (out / "winner.txt").read_text() == "first" and not (out / "model.safetensors").exists()
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left
@@ -158,8 +152,7 @@ def test_gguf_conversion_keeps_a_concurrent_winners_directory(tmp_path, monkeypa
     shutil.rmtree(out)
     out.mkdir()
     (out / "config.json").write_text("{")
-    monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: (
-        {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.zeros(2)}))
+    monkeypatch.setattr(gguf_loader, "read_gguf", fake_read)
     assert store.convert_gguf(gguf, progress=False) == out
     assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())["eos_token_id"] == 2
 
