@@ -2,7 +2,7 @@
 
 GPU (CUDA + Triton): triton.testing.do_bench medians of kernel / twin / torch.compile(twin), the
 bytes each op must move at least, and the bandwidth that implies next to a measured device copy.
-CPU: the C++ ops (csrc/) vs the twins, median wall time and ratio. Shapes: the default model
+CPU: the C++ ops (spd_fast/csrc/) vs the twins, median wall time and ratio. Shapes: the default model
 (SmolLM2-135M, n=3), Llama-3-8B (128k vocab) and Qwen2-7B (152k vocab), one sequence.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_kernels.py --cpu    # -> bench/results/kernels_cpu.json

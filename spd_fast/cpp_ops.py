@@ -1,4 +1,4 @@
-"""The C++ CPU ops (csrc/spd_ops.cpp), built just in time on first use and cached.
+"""The C++ CPU ops (spd_fast/csrc/spd_ops.cpp), built just in time on first use and cached.
 
 `available()` builds once per process (a cached build loads in well under a second); without a
 compiler, or when the build fails, it warns once and returns False, and `spd_fast.kernels` falls
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "spd_ops.cpp"
 SOURCES = (SOURCE, CSRC / "gguf_linear.cpp")
 OPS = ("aggregate_cpp", "verify_greedy_cpp", "verify_sampling_cpp", "draft_sample_cpp", "q4_1_linear", "q8_0_linear")
@@ -54,7 +54,7 @@ def _build() -> None:
 
     for src in SOURCES:
         if not src.is_file():
-            raise FileNotFoundError(f"{src} is missing (the C++ sources ship with the repository, not the wheel)")
+            raise FileNotFoundError(f"{src} is missing (the C++ sources ship inside the package: reinstall spd_fast)")
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     with _build_lock(d):

@@ -2,7 +2,7 @@
 
 backend="torch"  the pure-PyTorch twins (spd_fast.ops, spd_fast.ops_explicit): the oracle
 backend="triton" spd_fast.triton_kernels (CUDA tensors; CPU tensors only under TRITON_INTERPRET=1)
-backend="cpp"    the C++ CPU ops of csrc/ (built on first use; the twins, with one warning, if not)
+backend="cpp"    the C++ CPU ops of spd_fast/csrc/ (built on first use; the twins, with one warning, if not)
 backend="auto"   triton for CUDA tensors, cpp for CPU tensors when built, torch otherwise
 
 The sampling ops take their random numbers explicitly (`u`, see spd_fast.ops_explicit.uniforms),

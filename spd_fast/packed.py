@@ -3,7 +3,7 @@
 A batch-1 decode step streams every weight once, so its cost is the bytes it reads. For a GGUF
 model we keep, next to the fp32 copy used for prefill and training, the file's own Q4_1 / Q8_0
 blocks (repacked for aligned loads), and the decode rows (M <= 16) go through the C++ ops of
-csrc/gguf_linear.cpp, which dequantise in registers with the GGUF formula. Every weight is the
+spd_fast/csrc/gguf_linear.cpp, which dequantise in registers with the GGUF formula. Every weight is the
 same fp32 number as in the dequantised copy; the sums run in a fixed order that does not depend
 on M, so SPD stage steps (1..n rows) and the AR baseline (1 row) stay bit-identical.
 
@@ -208,7 +208,7 @@ def fused_enabled() -> bool:
 
 def enable_fused_ops(model: torch.nn.Module) -> bool:
     """Route a CPU fp32 model's decode-row RMSNorms and few-query attention through single C++ ops
-    (csrc/gguf_linear.cpp) instead of a dozen small ATen ops each. Off with SPD_FAST_FUSED=0."""
+    (spd_fast/csrc/gguf_linear.cpp) instead of a dozen small ATen ops each. Off with SPD_FAST_FUSED=0."""
     from .model import Attention, RMSNorm
 
     on = fused_enabled() and _cpu_fp32(model)

@@ -1,4 +1,4 @@
-"""GGUF-packed decode weights (spd_fast/packed.py, csrc/gguf_linear.cpp)."""
+"""GGUF-packed decode weights (spd_fast/packed.py, spd_fast/csrc/gguf_linear.cpp)."""
 from __future__ import annotations
 
 import pytest
@@ -85,7 +85,7 @@ def test_packed_rejects_mismatched_shapes(default_target):
 
 
 def test_fused_decode_ops_match_the_aten_path():
-    """rms_norm_rows and decode_attention (csrc/gguf_linear.cpp) against the model's ATen code."""
+    """rms_norm_rows and decode_attention (spd_fast/csrc/gguf_linear.cpp) against the model's ATen code."""
     from spd_fast.model import RMSNorm, attention_mask, few_query_attention
 
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def test_cpp_build_is_kept_per_cpu_kind(tmp_path):
 
 
 def test_packed_cpp_ops_have_fakes_for_torch_compile():
-    """Each C++ op of csrc/gguf_linear.cpp has a schema and a fake that agree with the real op."""
+    """Each C++ op of spd_fast/csrc/gguf_linear.cpp has a schema and a fake that agree with the real op."""
     check = ("test_schema", "test_faketensor")
     p4, p8 = _random_packed("q4_1", 8, 64), _random_packed("q8_0", 8, 64)
     x = torch.randn(2, 64)
