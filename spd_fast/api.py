@@ -80,7 +80,6 @@ class Engine:
         self.target, self.head, self.boundaries = target, head, boundaries
         self.num_stages = len(boundaries) - 1
         self.max_len = max_len
-        self._generation = 0  # counts started generations: one KV cache serves them one at a time
         self.draft_source = draft_source
         self.placement = placement
         target.model.setup_caches(1, max_len)
@@ -100,21 +99,26 @@ class Engine:
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
         """The decode of one prompt, refusing to go on once another generation has reused the caches: the
-        engine has one KV cache (and one PDM cache), so an open stream() whose consumer meanwhile ran
-        another generate() or stream() on this engine would otherwise continue from the other's state."""
-        self._generation += 1
-        mine = self._generation
+        model has one KV cache (and the engine one PDM cache), so an open stream() whose consumer meanwhile
+        ran another generate() or stream() on this engine, or on another Engine built on the same loaded
+        target, would otherwise continue from the other's state. The count lives on the model, which
+        owns the caches."""
+        model = self.target.model
+        model.generations += 1
+        mine = model.generations
         for t in self._decode(prompt_ids, max_new_tokens, params, method):
             yield t
-            if self._generation != mine:
+            if model.generations != mine:
                 raise SpdConfigError(
-                    "another generate() or stream() ran on this engine while this stream was open and reused its "
-                    "KV cache, so this stream cannot go on; finish (or close) a stream before starting another "
-                    "generation on the same engine, or load a second engine with spd_fast.load() for the other")
+                    "another generate() or stream() ran on this engine (or on another Engine sharing its loaded "
+                    "model) while this stream was open and reused its KV cache, so this stream cannot go on; "
+                    "finish (or close) a stream before starting another generation on the same model, or load a "
+                    "second engine with spd_fast.load() for the other")
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
+        self._own_caches()  # another user of the model may have resized them since the call's capacity check
         gen = make_generator(params, self.target.model.device)
         if method == "ar":
             if self.graphed_ar is not None:  # the strong baseline of the GPU placements
@@ -166,8 +170,14 @@ class Engine:
         self._check_fits(ids, max_new_tokens, method)
         return self._stream(ids, max_new_tokens, params, method)
 
+    def _own_caches(self) -> None:
+        """Give the model back the KV cache this engine was built with: another Engine on the same loaded target,
+        batched generation or training may have reallocated it at another size (a no-op otherwise)."""
+        self.target.model.setup_caches(1, self.max_len)
+
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
         """The KV cache check each decoder makes when it starts, made up front for every prompt of a call."""
+        self._own_caches()
         if method == "spd":
             extra = self.num_stages + 1  # the in-flight slots
         else:

@@ -47,7 +47,7 @@ class GraphedAR:
 
     def _prepare(self, params: SamplingParams, generator: torch.Generator | None) -> None:
         m = self.model
-        key = (m.max_len, params, id(generator))
+        key = (m.max_len, m.cache_version, params, id(generator))
         if self.tokens is None or self._key != key:
             self.tokens = torch.zeros(m.max_len + 2, dtype=torch.long, device=m.device)
             self._key, self._graph = key, None

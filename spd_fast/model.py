@@ -231,6 +231,12 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.max_len = 0
+        # bumped whenever the KV caches are (re)allocated: a captured CUDA graph holds the old buffers, so its
+        # owner keys the capture on this
+        self.cache_version = 0
+        # generations started on these caches (by any Engine on this model): an open stream whose caches another
+        # generation reused refuses to go on
+        self.generations = 0
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
@@ -271,6 +277,7 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg, max_len + 1)
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
         self.max_len = max_len
+        self.cache_version += 1
         self.__dict__["_rope_by_device"] = {}
 
     def rope_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

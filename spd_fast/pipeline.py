@@ -277,7 +277,7 @@ class PipelinedEngine:
 
     # ---- static state and capture ------------------------------------------------------------------
     def _static(self, st: PipelineState, params: SamplingParams, generator: torch.Generator | None) -> DeviceCycle:
-        key = (self.engine.model.max_len, params, id(generator), st.q_ring is not None)
+        key = (self.engine.model.max_len, self.engine.model.cache_version, params, id(generator), st.q_ring is not None)
         if self._cycle is None or self._key != key:
             static = PipelineState(
                 tokens=torch.zeros_like(st.tokens), p_new=torch.zeros_like(st.p_new), fill=torch.zeros_like(st.fill),

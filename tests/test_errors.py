@@ -478,14 +478,47 @@ def test_a_stream_refuses_to_go_on_after_another_generation_reused_the_engine(de
     s = eng.stream("Once upon a time", 12, method=method)
     next(s)
     eng.generate("The capital of France is", 3, method=method)  # a side query while the stream is open
-    with pytest.raises(SpdConfigError, match=r"another generate\(\) or stream\(\) ran on this engine while this "
-                                             r"stream was open .* load a second engine with spd_fast.load\(\)"):
+    with pytest.raises(SpdConfigError, match=r"another generate\(\) or stream\(\) ran on this engine \(or on another "
+                                             r"Engine sharing its loaded model\) while this stream was open .* load a "
+                                             r"second engine with spd_fast.load\(\)"):
         list(s)
     assert eng.generate("Once upon a time", 12, method=method).token_ids == ref
     a, b2 = eng.stream("Once upon a time", 12, method=method), eng.stream("Hi", 4, method=method)
     with pytest.raises(SpdConfigError, match="another generate"):
         list(zip(a, b2))  # two streams consumed in turn
     assert "".join(eng.stream("Once upon a time", 12, method=method)) == eng.target.decode(ref)
+
+
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_engines_sharing_one_loaded_target_guard_and_size_its_cache(default_target, method):
+    """Two Engines built on one loaded target share its KV cache: a stream of one is refused once the other
+    has run, and each engine decodes with the cache size it was built with even after the other resized it."""
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    m = default_target.model
+    try:
+        b3, b2 = (0, 10, 20, 30), (0, 15, 30)
+        e1 = Engine(default_target, random_head(m, b3), b3, 1024, "random")
+        ref = e1.generate("Once upon a time", 12, method=method).token_ids
+        e2 = Engine(default_target, random_head(m, b2), b2, 64, "random")  # resizes the shared cache
+        assert m.max_len == 64
+        s = e1.stream("Once upon a time", 12, method=method)
+        next(s)
+        assert m.max_len == 1024  # e1 took its own size back
+        e2.generate("The capital of France is", 3, method=method)
+        assert m.max_len == 64
+        with pytest.raises(SpdConfigError, match="another Engine sharing its loaded model"):
+            list(s)
+        assert e1.generate("Once upon a time", 12, method=method).token_ids == ref
+        # a prompt e2's 64 slots cannot hold but e1's 1,024 can is checked against e1's own size
+        long = "word " * 80
+        e2.generate("Hi", 2, method=method)
+        assert len(e1.generate(long, 4, method=method).token_ids) == 4
+        with pytest.raises(SpdConfigError, match="max_len"):
+            e2.generate(long, 4, method=method)
+    finally:
+        m.setup_caches(1, 1024)  # the fixture's size, for the tests after this one
 
 
 @pytest.mark.parametrize("method", ["spd", "ar"])

@@ -341,3 +341,28 @@ def test_devices_handoff_double_buffer_equals_sequential(tiny_checkpoint, n):
     seq = SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size, "bernoulli", 0.6, 1), b).run(ids, 24, GREEDY, [])
     for k in ("cycles", "verifications", "accepted"):  # the same cycle by cycle, not only the same tokens
         assert got.metrics[k] == seq.metrics[k], k
+
+
+def test_reallocated_caches_rebuild_the_static_cycle_and_ar_step(tiny_checkpoint):
+    """A captured CUDA graph holds the KV buffers it was captured with, so the pipelined cycle and GraphedAR
+    key their static state (and capture) on the model's cache_version: reallocating the caches at the same
+    max_len (another batch size, another Engine's size and back) builds them again, with the same output."""
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 2)
+    ids = [8, 6, 7, 5]
+    ref = decode_ar(m, ids, 16, GREEDY, []).token_ids
+    full = [0] * len(ids) + ref
+    pipe = PipelinedEngine(SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size, "bernoulli", 0.6, 1), b), "simulated")
+    g = GraphedAR(m)
+    assert pipe.run(ids, 16, GREEDY, []).token_ids == ref and g.run(ids, 16, GREEDY, []).token_ids == ref
+    cycle, tokens, version = pipe._cycle, g.tokens, m.cache_version
+    assert pipe.run(ids, 16, GREEDY, []).token_ids == ref and g.run(ids, 16, GREEDY, []).token_ids == ref
+    assert pipe._cycle is cycle and g.tokens is tokens  # same caches: the static state (and graph) is kept
+    max_len = m.max_len
+    m.setup_caches(1, max_len // 2)
+    m.setup_caches(1, max_len)
+    assert m.max_len == max_len and m.cache_version == version + 2
+    assert pipe.run(ids, 16, GREEDY, []).token_ids == ref and g.run(ids, 16, GREEDY, []).token_ids == ref
+    assert pipe._cycle is not cycle and g.tokens is not tokens
