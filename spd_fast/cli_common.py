@@ -15,6 +15,19 @@ from .config import DEFAULT_LOOKUP
 _PKG = str(Path(__file__).resolve().parent)
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each option's default, except where it has none (None, a flag's False, an empty list) or the
+    help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        none = default is None or default is False or default is argparse.SUPPRESS or default == [] or default == ""
+        if action.option_strings and "default" not in text and not none:
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other error of the CLIs: the problem and where the
     options are listed (argparse's default prints the whole usage block first). Subparsers inherit it."""
@@ -84,7 +97,8 @@ _CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
               ("--max-len", re.compile(r"\b(larger|smaller) max_len\b"), r"\1 --max-len"),
               ("--anchors", re.compile(r"\bomit anchors\b"), "omit --anchors"),
               ("--draft-layers", re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
-              ("--max-new-tokens", re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens")]
+              ("--max-new-tokens", re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens"),
+              ("--model", re.compile(r"\bmodel=<its model>"), "--model <its model>")]
 
 
 def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, command: str | None = None) -> str:

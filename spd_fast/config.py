@@ -184,7 +184,8 @@ def check_stage_count(num_stages: Any, boundaries: Sequence[int]) -> None:
 
 
 def validate_boundaries(boundaries: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
-    example = list(uniform_boundaries(num_layers, min(3, num_layers)))
+    n = len(boundaries) - 1 if isinstance(boundaries, (list, tuple)) and len(boundaries) >= 2 else 3
+    example = list(uniform_boundaries(num_layers, max(1, min(n, num_layers))))  # with as many stages as asked
     b = check_layer_indices(boundaries, "stage boundaries", example)
     if len(b) < 2 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
         raise SpdConfigError(

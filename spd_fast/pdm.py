@@ -157,11 +157,13 @@ class DraftConfig:
                 diffs.append(f"{name}: head {mine} vs model {theirs}")
         if diffs:
             raise DraftMismatchError("the draft head was trained for a different model (" + "; ".join(diffs)
-                                     + "); train a head for this model with `python -m spd_fast.train`")
+                                     + "); load the model it was trained for (model=<its model>), or train a head "
+                                       "for this model with `python -m spd_fast.train`")
         if self.base_fingerprint and fingerprint and self.base_fingerprint != fingerprint:
             raise DraftMismatchError(
                 f"the draft head was trained for other weights (fingerprint {self.base_fingerprint} vs model "
-                f"{fingerprint}); use the head trained for this checkpoint or train one")
+                f"{fingerprint}); load the checkpoint it was trained for (model=<its model>), or use or train a "
+                f"head for this checkpoint")
         if num_stages is not None and num_stages != self.num_stages:
             raise DraftMismatchError(
                 f"the draft head was trained for num_stages={self.num_stages}, not {num_stages}; pass "
@@ -331,6 +333,9 @@ def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
         head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].to(head.lm_head.weight.dtype))
 
 
+_RUN_HEADS = {"best_head": "the best on validation", "head": "the last checkpoint"}  # in a training run's --out
+
+
 def read_draft_config(path: str | Path) -> DraftConfig:
     """The DraftConfig of a head directory, with a clear error when it is not one."""
     path = Path(path)
@@ -338,8 +343,11 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     if not path.exists():
         raise DraftMismatchError(f"draft head {path} does not exist; pass a head directory (draft_config.json + "
                                  "draft.safetensors), draft='random', or draft=None for the shipped head")
+    runs = [d for d in _RUN_HEADS if (path / d / "draft_config.json").is_file()]
     not_a_head = DraftMismatchError(
-        f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)")
+        f"{path} is not a draft head checkpoint (expected draft_config.json and draft.safetensors in it)"
+        + ("; it holds a training run: pass " + " or ".join(f"{path}/{d} ({_RUN_HEADS[d]})" for d in runs)
+           if runs else ""))
     if not cfg_file.is_file():
         raise not_a_head
     try:

@@ -130,7 +130,13 @@ def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise SpdConfigError(f"cannot load the tokenizer from {path} ({e}); the directory needs tokenizer files") from e
+        names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+        if not any((Path(path) / n).is_file() for n in names):
+            raise SpdConfigError(f"{path} has no tokenizer files ({', '.join(names)}); copy the model's own tokenizer "
+                                 f"files there (token-id data needs them too)") from None
+        reason = " ".join(str(e).split())  # one line: transformers' messages span several
+        raise SpdConfigError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {reason[:300]}); check its "
+                             f"tokenizer files") from None
     # the checkpoint's own identity: a head trained on it matches whatever dtype it was loaded in (an fp16
     # cast, rounded again to bf16 inside the hash, would differ from the fp32 or bf16 values)
     fp = getattr(net, "source_fingerprint", None) or weights_fingerprint(net)

@@ -41,6 +41,34 @@ def test_directory_without_config(tmp_path):
         resolve_model_dir(tmp_path)
 
 
+def test_model_directory_without_tokenizer_files(tiny_checkpoint, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SpdConfigError) as e:
+        load_target(str(d), progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{d} has no tokenizer files (tokenizer.json, tokenizer.model")
+    assert "copy the model's own tokenizer files there" in msg
+    (d / "tokenizer.json").write_text("{ not json")  # files that are there but broken: one line as well
+    with pytest.raises(SpdConfigError, match=r"cannot load the tokenizer from .*; check its tokenizer files") as e:
+        load_target(str(d), progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_boundary_example_has_the_stages_asked_for():
+    from spd_fast.config import validate_boundaries
+
+    with pytest.raises(SpdConfigError, match=r"end at num_layers=6 and strictly increase \(e.g. \[0, 3, 6\]\)"):
+        validate_boundaries((0, 2, 5), 6)
+    with pytest.raises(SpdConfigError, match=r"\(e.g. \[0, 2, 4, 6\]\)"):
+        validate_boundaries((0, 2, 4, 5), 6)
+
+
 def test_non_gguf_file(tmp_path):
     f = tmp_path / "model.bin"
     f.write_bytes(b"x")
@@ -288,7 +316,7 @@ def test_bad_boundaries_and_anchors(tiny_checkpoint):
         SPDEngine(m, None, (0, 4, 3, 6))
     for bad in ((0, 2.7, 6), "0,3,6", (0, "a", 6)):  # 2.7 used to become 2 silently
         with pytest.raises(SpdConfigError, match=r"stage boundaries must be a sequence of integer layer indices.*"
-                                                  r"e.g. \[0, 2, 4, 6\]"):
+                                                  r"e.g. \[0, (3|2, 4), 6\]"):  # as many stages as asked
             spd_fast.load(model=tiny_checkpoint("llama"), boundaries=bad, draft="random", progress=False)
     with pytest.raises(SpdConfigError, match=r"num_stages=2 disagrees with boundaries \[0, 2, 4, 6\], which make 3 "
                                               "stages; pass only one of them"):

@@ -356,13 +356,27 @@ def test_head_refuses_other_n_and_other_model(tiny_checkpoint, tmp_path):
     head.save(tmp_path / "h")
     with pytest.raises(DraftMismatchError, match="trained for num_stages=2, not 3.*train a head for n=3"):
         load_draft(tmp_path / "h", m, "abc", num_stages=3)
-    with pytest.raises(DraftMismatchError, match="trained for other weights"):
+    with pytest.raises(DraftMismatchError, match=r"trained for other weights .* load the checkpoint it was trained "
+                                                 r"for \(model=<its model>\)"):
         load_draft(tmp_path / "h", m, "zzz", num_stages=2)
     other = tiny_target(tiny_checkpoint("qwen3"))
-    with pytest.raises(DraftMismatchError, match="different model.*model_type: head llama vs model qwen3"):
+    with pytest.raises(DraftMismatchError, match=r"different model.*model_type: head llama vs model qwen3.*; load "
+                                                 r"the model it was trained for \(model=<its model>\)") as e:
         load_draft(tmp_path / "h", other, "abc")
-    with pytest.raises(SpdConfigError, match="not a draft head checkpoint"):
+    from spd_fast.__main__ import build_parser
+    from spd_fast.cli_common import cli_message
+
+    assert "(--model <its model>)" in cli_message(e.value, build_parser(), "generate")
+    with pytest.raises(SpdConfigError, match=r"not a draft head checkpoint \(expected draft_config.json and "
+                                             r"draft.safetensors in it\)$"):
         load_draft(tmp_path, m, "abc")
+    run = tmp_path / "run"  # a training run's --out passed as the head
+    head.save(run / "head")
+    with pytest.raises(SpdConfigError, match=rf"; it holds a training run: pass {run}/head \(the last checkpoint\)$"):
+        load_draft(run, m, "abc")
+    head.save(run / "best_head")
+    with pytest.raises(SpdConfigError, match=rf"pass {run}/best_head \(the best on validation\) or {run}/head "):
+        load_draft(run, m, "abc")
 
 
 def test_api_refuses_head_for_other_n(tiny_checkpoint, tmp_path):

@@ -250,3 +250,109 @@ def test_calibrate_and_eval_refuse_empty_grids_and_missing_prompts(capsys):
     with pytest.raises(SpdConfigError, match="limit 100 is more than the 40 chat prompts there are"):
         load_eval_prompts(["chat"], 100)
     assert len(load_eval_prompts(["chat"], 40)["chat"]) == 40
+
+
+def _text_rows(path: Path, n: int, word: str = "Sample") -> Path:
+    path.write_text("".join(json.dumps({"text": f"{word} number {i} is here, and more."}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_rerun_on_other_data_is_refused_and_a_finished_run_trains_nothing(full_vocab_checkpoint, tmp_path, capsys):
+    """Resuming checks the data as well as the head: other data would silently train the rest of the old run's
+    schedule (or nothing, once it has finished) and keep the old head."""
+    out = tmp_path / "o"
+    d1, d2 = _text_rows(tmp_path / "a.jsonl", 6), _text_rows(tmp_path / "b.jsonl", 5, "Other")
+    base = small(full_vocab_checkpoint, out, "--steps", "2", "--save-every", "2")
+    assert run(base + ["--data", str(d1)], capsys)[0] == 0
+    weights = (out / "head" / "draft.safetensors").read_bytes()
+    rc, err = run(base + ["--data", str(d1)], capsys)
+    assert rc == 0 and f"the run in {out} had already finished (2 steps): nothing to train" in err
+    assert (out / "head" / "draft.safetensors").read_bytes() == weights
+    rc, err = run(base + ["--data", str(d2)], capsys)
+    assert rc == 2 and f"{out} holds a run trained on other data (6 samples" in err and "now 5" in err, err
+    assert "pass the run's own --data (same files, same order), or --no-resume" in err
+    rc, err = run(base + ["--data", str(d1), "--data", str(d2)], capsys)
+    assert rc == 2 and "now 11" in err
+    assert run(base + ["--data", str(d2), "--no-resume"], capsys)[0] == 0
+    assert (out / "head" / "draft.safetensors").read_bytes() != weights
+
+
+def test_max_seq_len_drops_samples_it_leaves_no_answer_in(full_vocab_checkpoint, tmp_path, capsys):
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "Ok."}]}
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps(long_prompt) + "\n")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1"), capsys)
+    assert rc == 2 and "--max-seq-len 64 leaves no answer token of any of the 1 samples inside the window" in err
+    assert "raise --max-seq-len above the prompts' length" in err
+    data.write_text(json.dumps(long_prompt) + "\n" + "".join(json.dumps(r) + "\n" for r in CHAT)
+                    + json.dumps({"text": "long " * 100}) + "\n")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1"), capsys)
+    assert rc == 0, err
+    assert '{"max_seq_len": 64, "dropped_samples": 1, "cut_samples": 1}' in err
+    assert json.loads((tmp_path / "o" / "train_config.json").read_text())["samples"] == 4  # 3 chat turns + 1 text
+
+
+def test_a_tokenizer_of_another_model_is_named_for_text_data(tiny_checkpoint, tmp_path, capsys):
+    """The tiny checkpoints have 97 token ids and the default model's tokenizer: text data must be refused with
+    the tokenizer named, not crash inside training."""
+    for name, content in [("t.jsonl", json.dumps({"text": "Hello there, world."}) + "\n"),
+                          ("c.jsonl", json.dumps(CHAT[0]) + "\n"), ("p.txt", "Hello there, world.\n")]:
+        (tmp_path / name).write_text(content)
+        rc, err = run(small(tiny_checkpoint("llama"), tmp_path / "o", "--data", str(tmp_path / name)), capsys)
+        assert rc == 2 and "outside the model's vocabulary (0..96), so it does not match the model" in err, err
+        assert name in err
+
+
+def test_parquet_text_must_be_strings(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    import types
+
+    class Frame:
+        columns = ["text"]
+
+        def __getitem__(self, key):
+            return ["A fine row.", None]
+
+    monkeypatch.setitem(sys.modules, "pandas", types.SimpleNamespace(read_parquet=lambda path: Frame()))
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(tmp_path / "d.parquet")), capsys)
+    assert rc == 2 and "d.parquet, row 2: the \"text\" column holds None, not a string; drop or fill" in err
+
+
+def test_self_distillation_needs_a_chat_template_and_a_readable_settings_file(full_vocab_checkpoint, tmp_path,
+                                                                              capsys):
+    import shutil
+
+    base_model = tmp_path / "base"
+    shutil.copytree(full_vocab_checkpoint, base_model)
+    (base_model / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((base_model / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (base_model / "tokenizer_config.json").write_text(json.dumps(tc))
+    rc, err = run(small(str(base_model), tmp_path / "o", "--max-prompts", "2", "--steps", "1"), capsys)
+    assert rc == 2 and "has no chat template (a base model?); train on text instead: --data FILE" in err, err
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(2)))
+    args = small(full_vocab_checkpoint, tmp_path / "o2", "--prompts", str(prompts), "--gen-max-new-tokens", "4",
+                 "--steps", "1")
+    assert run(args, capsys)[0] == 0
+    meta = tmp_path / "o2" / "self_distill.jsonl.meta.json"
+    assert json.loads(meta.read_text())["max_new_tokens"] == 4 and not list((tmp_path / "o2").glob("*.tmp"))
+    meta.write_text("")  # what a kill in the middle of the old, non-atomic write left
+    rc, err = run(args, capsys)
+    assert rc == 2 and "self_distill.jsonl.meta.json (the settings of the answers in self_distill.jsonl) is " \
+                       "unreadable; delete both files" in err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    for piece in ["--draft-layers DRAFT_LAYERS L_s, decoder layers of the head (default: 1)",
+                  "(default: 16384)", "--max-seq-len MAX_SEQ_LEN tokens of each sample", "(default: 512)",
+                  "--max-prompts MAX_PROMPTS use only the first N prompts (0 = all) (default: 0)",
+                  "--steps STEPS optimizer steps (the LR schedule's length) (default: 1000)", "OUT/best_head"]:
+        assert piece in flat, piece
+    assert "(default: None)" not in flat and "(default: False)" not in flat

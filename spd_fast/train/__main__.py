@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
+    from ..cli_common import DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
 
-    p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head)")
+    p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head). The last checkpoint "
+               "is OUT/head and, with --val, the best on validation OUT/best_head: pass either as `draft`.",
+               formatter_class=DefaultsFormatter)
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
     p.add_argument("--num-stages", type=positive_int, default=None,
@@ -28,20 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the head's own LM-head rows (initialised from the target's) instead of sharing the "
                         "target's frozen rows: more capacity at no inference cost, V_d x H more weights stored")
     p.add_argument("--data", action="append", default=[],
-                   help="training data: 'self-distill' (default) or a .jsonl/.jsonl.gz/.txt/.parquet file; repeatable")
+                   help="training data: 'self-distill' (default; needs a chat template) or a .jsonl/.jsonl.gz/.json/"
+                        ".txt/.parquet file; repeatable")
     p.add_argument("--prompts", help="prompt set for self-distillation (default: the project's train.jsonl)")
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N prompts (0 = all)")
-    p.add_argument("--gen-max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--gen-batch", type=positive_int, default=64)
-    p.add_argument("--gen-temperature", type=non_negative_float, default=0.0)
-    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=128,
+                   help="self-distillation: answer tokens per prompt at most")
+    p.add_argument("--gen-batch", type=positive_int, default=64, help="self-distillation: prompts answered at once")
+    p.add_argument("--gen-temperature", type=non_negative_float, default=0.0,
+                   help="self-distillation: sampling temperature of the answers (0 = greedy)")
+    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps (the LR schedule's length)")
     p.add_argument("--epochs", type=non_negative_float, default=0, help="if > 0, overrides --steps")
-    p.add_argument("--lr", type=non_negative_float, default=5e-4)
-    p.add_argument("--warmup", type=non_negative_int, default=50)
-    p.add_argument("--batch-tokens", type=positive_int, default=2048)
-    p.add_argument("--max-seq-len", type=positive_int, default=512)
+    p.add_argument("--lr", type=non_negative_float, default=5e-4, help="peak learning rate (AdamW; linear decay)")
+    p.add_argument("--warmup", type=non_negative_int, default=50, help="linear warmup steps")
+    p.add_argument("--batch-tokens", type=positive_int, default=2048,
+                   help="padded tokens per batch (per rank under torchrun)")
+    p.add_argument("--max-seq-len", type=positive_int, default=512,
+                   help="tokens of each sample (prompt + answer) the head trains on; longer ones are cut, and "
+                        "samples whose answer starts past it are dropped (both counted in the log)")
     p.add_argument("--fill-aug", type=bounded_float(0.0, 1.0), default=0.5,
-                   help="probability of a fill-augmented step (default 0.5)")
+                   help="probability of a fill-augmented step")
     p.add_argument("--fill-after-miss", action="store_true",
                    help="train the fill-augmented steps only on the rows the pipeline drafts at that fill after a "
                         "reject: the head's own draft f tokens back missed, and its refill drafts since were right "
@@ -58,10 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of training: after 20 timed steps the step count (and the LR decay) is cut to "
                         "what fits; 0 = off. Rerun with the same --steps, a finished run stays finished; another "
                         "--steps extends it")
-    p.add_argument("--save-every", type=positive_int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=non_negative_int, default=0)
-    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--save-every", type=positive_int, default=50,
+                   help="steps between checkpoints (and validations with --val)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the head's initialisation, batch order and fill "
+                   "augmentation")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over in --out instead of resuming the run saved there")
     p.add_argument("--init", default=None,
                    help="warm-start from this head directory (same anchors and V_d), e.g. to fine-tune "
                         "the shipped head on new data; a larger --draft-layers grows it (new layers start "
@@ -70,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out data file (same formats as --data, repeatable): KL and top-1 agreement at every "
                         "checkpoint, best head kept in OUT/best_head")
     p.add_argument("--val-limit", type=positive_int, default=64, help="score at most this many validation samples")
-    p.add_argument("--weight-decay", type=non_negative_float, default=0.0)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the teacher every step instead of caching its states on disk once (saves disk, costs time)")
     return p
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime import load_target
     from . import heap
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
-    from .trainer import TrainConfig, pack_batches, train
+    from .trainer import TrainConfig, drop_unlearnable, pack_batches, train
 
     a = build_parser().parse_args(argv)
     rank, world = 0, 1
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SpdConfigError(f"data file {src} does not exist")
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
-            raise SpdConfigError("no training samples; pass --data self-distill or a data file")
+            raise SpdConfigError(f"the data files ({', '.join(a.data)}) hold no rows to train on; pass files with "
+                                 f"rows, or --data self-distill")
         empty = sum(not r["response_ids"] for r in samples)  # nothing to take a loss on
         samples = [r for r in samples if r["response_ids"]]
         if not samples:
@@ -173,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"train on); check the data files' \"text\", \"response_ids\" or assistant turns")
         if empty:
             log(json.dumps({"skipped_empty_samples": empty}))
+        samples, counts = drop_unlearnable(samples, a.max_seq_len)  # before the epoch's steps are counted
+        if counts["dropped_samples"] or counts["cut_samples"]:
+            log(json.dumps(counts))
         val = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
         steps = a.steps
         if a.epochs > 0:  # under torchrun each step takes one batch per rank

@@ -100,13 +100,23 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     meta = {"fingerprint": target.fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
             "seed": seed}
     rows = read_jsonl(out_path) if out_path.is_file() else []
+    if getattr(target.tokenizer, "chat_template", None) is None:
+        raise SpdConfigError(f"self-distillation asks the model its prompts as chat messages, and the tokenizer in "
+                             f"{target.path} has no chat template (a base model?); train on text instead: --data "
+                             f"FILE with .txt or {{\"text\"}} .jsonl rows")
     if rows and meta_path.is_file():
-        old = json.loads(meta_path.read_text())
+        try:
+            old = json.loads(meta_path.read_text())
+        except ValueError:
+            raise SpdConfigError(f"{meta_path} (the settings of the answers in {out_path.name}) is unreadable; "
+                                 f"delete both files to make new answers, or use another --out") from None
         diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items() if old.get(k) != v]
         if diff:
             raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
                                  f"(and {meta_path.name}) to make new ones, or use another --out")
-    meta_path.write_text(json.dumps(meta))
+    tmp = meta_path.with_name(meta_path.name + ".tmp")  # a kill mid-write must not leave a truncated file
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(meta_path)
     done = {r["id"]: r["prompt_ids"] for r in rows}
     encoded = {p["id"]: target.encode([{"role": "user", "content": p["prompt"]}]) for p in prompts}
     stale = [i for i, ids in encoded.items() if i in done and done[i] != ids]
@@ -176,6 +186,17 @@ DATA_FORMATS = ".jsonl, .jsonl.gz, .json (a list of rows), .parquet (a \"text\" 
 ROW_KEYS = '"messages" (chat), "text", or "prompt_ids" + "response_ids" (token ids)'
 
 
+def _model_ids(ids: list[int], target: Target, where: str) -> list[int]:
+    """Ids the tokenizer made, checked against the model's vocabulary (a tokenizer of another model would
+    otherwise fail deep inside training with an index error)."""
+    bad = next((t for t in ids if not 0 <= t < target.cfg.vocab_size), None)
+    if bad is not None:
+        raise SpdConfigError(f"{where}: the tokenizer in {target.path} made token id {bad}, outside the model's "
+                             f"vocabulary (0..{target.cfg.vocab_size - 1}), so it does not match the model; put "
+                             f"the model's own tokenizer files there")
+    return ids
+
+
 def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None) -> Iterator[dict]:
     """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
     the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
@@ -208,9 +229,10 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None)
                 raise SpdConfigError(f"{where}: the chat template does not extend the conversation's tokens when "
                                      f"a turn is added, so the assistant turn cannot be cut out; use \"text\" rows")
             yield {"id": f"{stem}-{i}" + (f"-{j}" if len(turns) > 1 else ""), "prompt_ids": prompt,
-                   "response_ids": full[len(prompt):]}
+                   "response_ids": _model_ids(full, target, where)[len(prompt):]}
     elif isinstance(rec.get("text"), str):
-        yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(rec["text"])}
+        yield {"id": f"{stem}-{i}", "prompt_ids": [],
+               "response_ids": _model_ids(target.tokenizer.encode(rec["text"]), target, where)}
     else:
         raise SpdConfigError(f"{where}: a row needs {ROW_KEYS}; got keys {sorted(rec)}")
 
@@ -253,12 +275,17 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
             raise SpdConfigError(f"data file {path}: a .parquet file needs a \"text\" column; it has "
                                  f"{list(frame.columns)}")
         for i, text in enumerate(frame["text"]):
-            yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(text)}
+            if not isinstance(text, str):
+                raise SpdConfigError(f"data file {path}, row {i + 1}: the \"text\" column holds {text!r}, not a "
+                                     f"string; drop or fill the empty rows")
+            yield {"id": f"{path.stem}-{i}", "prompt_ids": [],
+                   "response_ids": _model_ids(target.tokenizer.encode(text), target, f"data file {path}, row {i + 1}")}
     elif path.suffix.lower() in (".txt", ".text", ".md", ""):
         with _readable(path):
             text = path.read_text(encoding="utf-8")
         for i, block in enumerate(b for b in text.split("\n\n") if b.strip()):
-            yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": target.tokenizer.encode(block)}
+            yield {"id": f"{path.stem}-{i}", "prompt_ids": [],
+                   "response_ids": _model_ids(target.tokenizer.encode(block), target, f"{path}, block {i + 1}")}
     else:
         raise SpdConfigError(f"data file {path}: unknown format {path.suffix!r}; use {DATA_FORMATS}")
 

@@ -102,6 +102,7 @@ class PdmTrainer:
         self.rng = random.Random(cfg.seed)
         self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
         self.budget_done = False        # a time budget has fitted total_steps (kept across a resume)
+        self.data_key: dict | None = None  # what `train` trains on (data_fingerprint): a resume on other data is refused
         self.dev = target.device
         # data parallel (torchrun): every rank takes its own batches and gradients are averaged
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -348,7 +349,7 @@ class PdmTrainer:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg),
                     "draft": json.loads(self.head.dcfg.to_json()), "total_steps": self.total_steps,
-                    "budget_done": self.budget_done}, out / "trainer_state.pt.tmp")
+                    "budget_done": self.budget_done, "data": self.data_key}, out / "trainer_state.pt.tmp")
         (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
 
     def resume(self, out: Path) -> bool:
@@ -362,6 +363,13 @@ class PdmTrainer:
         if diff:
             raise SpdConfigError(f"{out} holds a run of another head ({'; '.join(diff)}: saved vs asked); resume "
                                  f"it with its own options, or pass --no-resume (or another --out) to start over")
+        old_data = st.get("data")  # absent in runs saved before the data were recorded
+        if old_data is not None and self.data_key is not None and old_data != self.data_key:
+            raise SpdConfigError(
+                f"{out} holds a run trained on other data ({old_data['samples']} samples, fingerprint "
+                f"{old_data['sha256']}; now {self.data_key['samples']}, {self.data_key['sha256']}): resuming would "
+                f"train the rest of its schedule on these data; pass the run's own --data (same files, same order), "
+                f"or --no-resume (or another --out) to start over, or --init {out}/head to fine-tune its head")
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
@@ -375,6 +383,40 @@ class PdmTrainer:
         self.rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"].cpu())
         return True
+
+
+def data_fingerprint(samples: Sequence[dict]) -> dict:
+    """The training data's identity (every sample's prompt and answer ids, in order) for resume checks."""
+    import hashlib
+    from array import array
+
+    h = hashlib.sha256()
+    for smp in samples:
+        for key in ("prompt_ids", "response_ids"):
+            ids = smp[key]
+            h.update(len(ids).to_bytes(8, "little"))
+            h.update(array("q", ids).tobytes())
+    return {"samples": len(samples), "sha256": h.hexdigest()[:16]}
+
+
+def loss_rows(sample: dict, max_seq_len: int) -> int:
+    """Positions of one sample that take a loss once it is cut to max_seq_len (see `collate`)."""
+    P, L = len(sample["prompt_ids"]), min(max_seq_len, len(sample["prompt_ids"]) + len(sample["response_ids"]))
+    return max(L - 1 - max(P - 1, 0), 0)
+
+
+def drop_unlearnable(samples: Sequence[dict], max_seq_len: int) -> tuple[list[dict], dict]:
+    """The samples with at least one loss position within max_seq_len, and counts of those dropped and cut
+    short; an error when none is left."""
+    kept = [smp for smp in samples if loss_rows(smp, max_seq_len) > 0]
+    counts = {"max_seq_len": max_seq_len, "dropped_samples": len(samples) - len(kept),
+              "cut_samples": sum(len(smp["prompt_ids"]) + len(smp["response_ids"]) > max_seq_len for smp in kept)}
+    if samples and not kept:
+        shortest = min(len(smp["prompt_ids"]) for smp in samples)
+        raise SpdConfigError(f"--max-seq-len {max_seq_len} leaves no answer token of any of the {len(samples)} "
+                             f"samples inside the window (the shortest prompt has {shortest} tokens); raise "
+                             f"--max-seq-len above the prompts' length")
+    return kept, counts
 
 
 def pack_batches(samples: Sequence[dict], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
@@ -558,13 +600,18 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     else:
         set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
     head.to(tgt.device)  # fp32 master weights on the target's device (bf16 compute under autocast)
+    samples, _ = drop_unlearnable(samples, cfg.max_seq_len)
     trainer = PdmTrainer(tgt, head, cfg)
+    trainer.data_key = data_fingerprint(samples)
     rank, world = trainer.rank, trainer.world
     lead = rank == 0  # under torchrun only rank 0 logs, validates and writes checkpoints
     if not lead:
         log = _quiet
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
+        if trainer.step >= trainer.total_steps:
+            log(f"the run in {out} had already finished ({trainer.step} steps): nothing to train; pass a larger "
+                f"--steps to extend it, or --no-resume to start over")
     elif lead and (out / "best_head").is_dir():
         shutil.rmtree(out / "best_head")  # an earlier run's: this one's validations must not be judged against it
         log(f"removed {out / 'best_head'} of an earlier run (a fresh start)")
