@@ -87,6 +87,7 @@ class Engine:
         self.spd = SPDEngine(target.model, PdmDrafter(head, lookup), boundaries, anchors) if head is not None else None
         self.pipelined = None
         self.graphed_ar = None
+        self._gen: torch.Generator | None = None
         if placement in ("streams", "devices"):
             from .graphed_ar import GraphedAR
             from .pipeline import PipelinedEngine
@@ -119,7 +120,12 @@ class Engine:
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
         self._own_caches()  # another user of the model may have resized them since the call's capacity check
-        gen = make_generator(params, self.target.model.device)
+        # the GPU placements keep one generator, reseeded per call, so their CUDA graphs (which register it)
+        # are not captured again for every sampled call
+        graphed = self.pipelined is not None or self.graphed_ar is not None
+        gen = make_generator(params, self.target.model.device, self._gen if graphed else None)
+        if graphed and gen is not None:
+            self._gen = gen
         if method == "ar":
             if self.graphed_ar is not None:  # the strong baseline of the GPU placements
                 dec = self.graphed_ar

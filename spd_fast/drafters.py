@@ -165,6 +165,7 @@ class ReferenceDrafter:
         self.vocab_size, self.mode, self.p_right, self.seed = vocab_size, mode, p_right, seed
         self.head = PdmDrafter(head) if head is not None else None
         self.rng: torch.Generator | None = None
+        self.right: torch.Tensor | None = None  # bernoulli: whether the draft of each position is right
 
     def prefill(self, engine: SPDEngine, st: PipelineState) -> None:
         dev = st.tokens.device
@@ -172,6 +173,10 @@ class ReferenceDrafter:
         if self.rng is None or self.rng.device != dev:
             self.rng = torch.Generator(device=dev)
         self.rng.manual_seed(self.seed)
+        # drawn here, once per position, not while drafting: a draw inside a captured CUDA graph would need this
+        # generator registered with the graph, and every executor then sees the same outcomes, whatever drafts
+        # it makes and discards
+        self.right = torch.rand(len(self.ref), generator=self.rng, device=dev) < self.p_right
         if self.head is not None:
             self.head.prefill(engine, st)
 
@@ -181,8 +186,7 @@ class ReferenceDrafter:
         if self.mode == "wrong":
             tok = wrong
         elif self.mode == "bernoulli":
-            u = torch.rand((), generator=self.rng, device=tok.device)
-            tok = torch.where(u < self.p_right, tok, wrong)
+            tok = torch.where(self.right.index_select(0, (p_new + 1).view(1))[0], tok, wrong)
         if params.greedy:
             return tok, None
         q = torch.zeros(self.vocab_size, device=tok.device).scatter_(0, tok.view(1), 1.0)

@@ -5,6 +5,7 @@ the same computation; tests use it there)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
@@ -46,28 +47,40 @@ class GraphedAR:
         return self._graph.replay if self._graph is not None else (lambda: self.step(params, generator))
 
     def _prepare(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Static buffers (and on a GPU the captured step) for these settings, caches and generator; called
+        with tok and pos already at the first decode step. The key holds the generator itself, not its id:
+        a freed generator's id is soon reused, and a graph bound to the old one would replay its stream."""
         m = self.model
-        key = (m.max_len, m.cache_version, params, id(generator))
+        key = (m.max_len, m.cache_version, replace(params, seed=None), generator)
         if self.tokens is None or self._key != key:
             self.tokens = torch.zeros(m.max_len + 2, dtype=torch.long, device=m.device)
             self._key, self._graph = key, None
         if self.cuda_graphs and self._graph is None:
-            tok, pos = self.tok.clone(), self.pos.clone()
             side = torch.cuda.Stream(device=m.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step(params, generator)
+                self.warm_up(params, generator)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             if generator is not None:
                 g.register_generator_state(generator)
             with torch.cuda.graph(g, pool=graph_pool()):
                 self.step(params, generator)
-            self.tok.copy_(tok)
-            self.pos.copy_(pos)
             torch.cuda.synchronize()
             self._graph = g
+
+    def warm_up(self, params: SamplingParams, generator: torch.Generator | None, steps: int = 2) -> None:
+        """Eager steps before a capture (lazy inits, Triton compiles), from the real state, which is restored
+        after them: their K/V lands at the positions the decode steps write next (before any query reads
+        them), and their random numbers are handed back, so the decode samples what eager AR samples."""
+        tok, pos = self.tok.clone(), self.pos.clone()
+        rng = generator.get_state() if generator is not None else None
+        for _ in range(steps):
+            self.step(params, generator)
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+        if generator is not None:
+            generator.set_state(rng)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
                  eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
@@ -80,10 +93,10 @@ class GraphedAR:
             t0 = time.perf_counter()
             with nvtx_range("ar.prefill"):
                 first = next_token(prefill(m, prompt_ids), params, generator)
-            self._prepare(params, generator)
             self.tok.copy_(first.view(1, 1))
             self.pos.fill_(P)
-            self.tokens[P] = first
+            self._prepare(params, generator)  # after tok and pos: its warm-up starts from the real state
+            self.tokens[P] = first  # after: _prepare may allocate tokens anew
             t1 = time.perf_counter()
         out = [int(first)]
         self.result = DecodeResult(out, t1 - t0, 0.0, out[0] in eos, {})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
@@ -277,7 +278,9 @@ class PipelinedEngine:
 
     # ---- static state and capture ------------------------------------------------------------------
     def _static(self, st: PipelineState, params: SamplingParams, generator: torch.Generator | None) -> DeviceCycle:
-        key = (self.engine.model.max_len, self.engine.model.cache_version, params, id(generator), st.q_ring is not None)
+        # the generator object, not its id (a freed one's id is reused); the seed lives in the generator
+        key = (self.engine.model.max_len, self.engine.model.cache_version, replace(params, seed=None), generator,
+               st.q_ring is not None)
         if self._cycle is None or self._key != key:
             static = PipelineState(
                 tokens=torch.zeros_like(st.tokens), p_new=torch.zeros_like(st.p_new), fill=torch.zeros_like(st.fill),
@@ -302,12 +305,15 @@ class PipelinedEngine:
         saved = {k: getattr(cyc.st, k).clone() for k in ("tokens", "p_new", "fill", "pdm_len", "anchors",
                                                           "cycles", "verifications", "accepts")}
         hin0 = cyc.hin[0].clone()
+        rng = generator.get_state() if generator is not None else None
         side = torch.cuda.Stream(device=self.devices[0])
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 cyc.run(self.rt)
         torch.cuda.current_stream().wait_stream(side)
+        if generator is not None:  # the warm-up's draws handed back: the decode samples what eager cycles would
+            generator.set_state(rng)
         g = torch.cuda.CUDAGraph()
         if generator is not None:
             g.register_generator_state(generator)
@@ -337,7 +343,8 @@ class PipelinedEngine:
         t0 = time.perf_counter()
         with nvtx_range("spd.prefill"):
             st0, first = e.start(prompt_ids, params, generator)
-        cyc = self._static(st0, params, generator)
+        with torch.inference_mode():  # a capture under autograd would record the head's grad-mode weight rebuilds
+            cyc = self._static(st0, params, generator)
         st = cyc.st
         t1 = time.perf_counter()
         P = st.prompt_len

@@ -70,10 +70,14 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return sample_from(probs_from_logits(logits, params), generator)
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | str,
+                   reuse: torch.Generator | None = None) -> torch.Generator | None:
+    """The generator of one sampled generation (None when greedy), seeded from params.seed. `reuse`, a
+    generator on the same device, is reseeded and returned instead of a new one: a CUDA graph that registered
+    it then replays with the new seed instead of being captured again."""
     if params.greedy:
         return None
-    g = torch.Generator(device=device)
+    g = reuse if reuse is not None and reuse.device == torch.device(device) else torch.Generator(device=device)
     # seed=None: a fresh seed from the OS (torch.seed() would also reseed the caller's global generator)
     g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return g

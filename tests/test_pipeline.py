@@ -366,3 +366,78 @@ def test_reallocated_caches_rebuild_the_static_cycle_and_ar_step(tiny_checkpoint
     assert m.max_len == max_len and m.cache_version == version + 2
     assert pipe.run(ids, 16, GREEDY, []).token_ids == ref and g.run(ids, 16, GREEDY, []).token_ids == ref
     assert pipe._cycle is not cycle and g.tokens is not tokens
+
+
+def test_graphed_ar_warm_up_starts_from_the_real_state(tiny_checkpoint, monkeypatch):
+    """On a GPU, GraphedAR runs eager warm-up steps before it captures its step. They must start from the
+    first decode step's token and position (a stale pos wrote K/V over the prompt's first slots) and hand back
+    their random numbers. Here the warm-up runs on CPU wherever _prepare would run it before a capture."""
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("qwen3"))
+    ids = [3, 9, 27, 4, 11]
+    warmed = []
+    orig = GraphedAR._prepare
+
+    def prepare_with_warm_up(self, params, generator):
+        orig(self, params, generator)
+        warmed.append(int(self.pos))
+        self.warm_up(params, generator, steps=3)
+
+    monkeypatch.setattr(GraphedAR, "_prepare", prepare_with_warm_up)
+    g = GraphedAR(m)
+    assert g.run(ids, 40, GREEDY, []).token_ids == decode_ar(m, ids, 40, GREEDY, []).token_ids
+    g.run([7, 7], 5, GREEDY, [])  # a later call: stale pos from the first one
+    assert g.run(ids, 40, GREEDY, []).token_ids == decode_ar(m, ids, 40, GREEDY, []).token_ids
+    assert warmed == [len(ids), 2, len(ids)]
+    params = SamplingParams(temperature=0.9, seed=4)
+    a = decode_ar(m, ids, 20, params, [], make_generator(params, "cpu")).token_ids
+    assert g.run(ids, 20, params, [], make_generator(params, "cpu")).token_ids == a
+
+
+def test_graph_keys_hold_the_generator_not_its_id_and_ignore_the_seed(tiny_checkpoint):
+    """A freed generator's id is soon reused: a key of ids could replay a graph bound to a dead generator. The
+    seed is the generator's business, so reseeding one generator (make_generator's reuse) keeps the static
+    state (and on a GPU the captured graph), and it samples as a fresh generator of that seed."""
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("qwen3"))
+    ids = [3, 9, 27]
+    g = GraphedAR(m)
+    p4, p5 = SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=0.9, seed=5)
+    gen = make_generator(p4, "cpu")
+    first = g.run(ids, 12, p4, [], gen).token_ids
+    assert g._key[3] is gen
+    tokens = g.tokens
+    again = make_generator(p5, "cpu", reuse=gen)
+    assert again is gen
+    assert g.run(ids, 12, p5, [], gen).token_ids == decode_ar(m, ids, 12, p5, [], make_generator(p5, "cpu")).token_ids
+    assert g.tokens is tokens  # same generator, other seed: same key
+    assert g.run(ids, 12, p4, [], make_generator(p4, "cpu", reuse=gen)).token_ids == first
+    other = make_generator(p4, "cpu")
+    g.run(ids, 12, p4, [], other)
+    assert g._key[3] is other and g.tokens is not tokens
+    assert make_generator(GREEDY, "cpu", reuse=gen) is None
+
+
+def test_bernoulli_reference_drafter_draws_outside_the_cycle(tiny_checkpoint):
+    """The 'right with probability p' drafter fixes each position's outcome at prefill (no random draw inside a
+    cycle, which a CUDA graph would have to register), so the pipelined and sequential executors agree and the
+    acceptance follows p."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    ids = [8, 6, 7, 5]
+    ref = decode_ar(m, ids, 120, GREEDY, []).token_ids
+    full = [0] * len(ids) + ref
+
+    def drafter():
+        return ReferenceDrafter(full, m.cfg.vocab_size, "bernoulli", 0.7, 3)
+
+    d = drafter()
+    seq = SPDEngine(m, d, b).run(ids, 120, GREEDY, [])
+    assert seq.token_ids == ref and d.right is not None and d.right.dtype == torch.bool
+    assert 0.5 < seq.metrics["acceptance_rate"] < 0.9
+    pipe = PipelinedEngine(SPDEngine(m, drafter(), b), "simulated").run(ids, 120, GREEDY, [])
+    assert pipe.token_ids == ref
+    for k in ("cycles", "verifications", "accepted"):
+        assert pipe.metrics[k] == seq.metrics[k], k
