@@ -409,8 +409,11 @@ def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
         assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert calibrate_main(["head", "--val", "v.jsonl", "--out", str(tmp_path)]) == 2
     assert f"--out {tmp_path} is a directory" in capsys.readouterr().err
-    monkeypatch.setattr("spd_fast.distributed.engine.load_distributed",
-                        lambda **kw: (_ for _ in ()).throw(AssertionError("loaded before the check")))
+    def fake_load(**kw):  # every rank runs startup_check once all have joined, before anything loads
+        kw["startup_check"]()
+        raise AssertionError("loaded despite a bad --output")
+
+    monkeypatch.setattr("spd_fast.distributed.engine.load_distributed", fake_load)
     with pytest.raises(SpdConfigError, match=f"--output {afile}/o.json: {afile} is a file"):
         dist_cli.run(dist_cli.build_parser().parse_args(["Hi", "--output", f"{afile}/o.json"]))
 

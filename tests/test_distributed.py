@@ -143,6 +143,7 @@ def test_distributed_matches_single_process(default_target, tmp_path, one_thread
         head = random_head(m, boundaries, anchors)
         ref_sample = SPDEngine(m, PdmDrafter(head), boundaries, head.dcfg.anchors).run(
             chat, NEW, sp, eos, make_generator(sp, "cpu"))
+        ref_greedy = SPDEngine(m, PdmDrafter(head), boundaries, head.dcfg.anchors).run(chat, NEW, GREEDY, eos)
         job.wait(240)
     finally:
         job.kill()
@@ -152,12 +153,49 @@ def test_distributed_matches_single_process(default_target, tmp_path, one_thread
     res = doc["results"]
     for name, r in zip(prompts, res):
         assert r["token_ids"] == refs[name], name
+        if name == "chat":  # the same drafts, cycle by cycle, as the single-process engine
+            for k in ("cycles", "verifications", "accepted"):
+                assert r["metrics"][k] == ref_greedy.metrics[k], k
     stop_res, sample_res = res[len(prompts)], res[len(prompts) + 1]
     assert stop_res["token_ids"] == ref_stop and stop_res["finished_by_eos"]
     assert sample_res["token_ids"] == ref_sample.token_ids
     assert sample_res["metrics"]["accepted"] == ref_sample.metrics["accepted"]
     assert sample_res["metrics"]["cycles"] == ref_sample.metrics["cycles"]
     assert set(doc["rank_stats"]) == {str(r) for r in range(1, n)}
+
+
+def test_a_stage_reporting_several_anchors_feeds_the_pdm_as_one_process_does(default_target, tmp_path, one_thread):
+    """The shipped n=2 head reads anchors 0, 10, 20, 30 at boundaries 0, 15, 30, so rank 1 reports two anchors
+    per row. Rank 0 once unpacked a prompt's report position-first: tokens stayed exact, but the PDM drafted from
+    scrambled prompt states (acceptance 0.61 instead of 0.77). The same head must make the same drafts, cycle by
+    cycle, greedy and sampled, as the single-process engine."""
+    from spd_fast.api import shipped_head
+    from spd_fast.pdm import load_draft
+
+    m, tg = default_target.model, default_target
+    eos = tuple(tg.eos_ids)
+    chat = tg.encode([{"role": "user", "content": "List three facts about the Moon."}])
+    reqs = [{"prompt_ids": chat, "max_new_tokens": 24}, {"prompt_ids": chat, "max_new_tokens": 24, **SAMPLING}]
+    (tmp_path / "req.json").write_text(json.dumps(reqs))
+    out = tmp_path / "out.json"
+    job = Job(tmp_path, 2, ["--max-len", str(MAX_LEN), "--threads", "1", "--requests", str(tmp_path / "req.json"),
+                            "--output", str(out), "--json"])
+    try:
+        head = load_draft(shipped_head(tg, 2), m, tg.fingerprint, num_stages=2)
+        assert head.dcfg.anchors == (0, 10, 20, 30)
+        eng = SPDEngine(m, PdmDrafter(head, 3), head.dcfg.boundaries, head.dcfg.anchors)
+        sp = SamplingParams(**SAMPLING)
+        refs = [eng.run(chat, 24, GREEDY, eos), eng.run(chat, 24, sp, eos, make_generator(sp, "cpu"))]
+        job.wait(240)
+    finally:
+        job.kill()
+    assert [p.returncode for p in job.procs] == [0, 0], [job.stderr(r)[-3000:] for r in range(2)]
+    res = json.loads(out.read_text())["results"]
+    assert refs[0].metrics["accepted"] > 5  # a head that drafts well, so scrambled states would show
+    for r, ref in zip(res, refs):
+        assert r["token_ids"] == ref.token_ids
+        for k in ("cycles", "verifications", "accepted"):
+            assert r["metrics"][k] == ref.metrics[k], k
 
 
 def test_torchrun_and_public_api(default_target, tmp_path, one_thread):
@@ -219,6 +257,35 @@ def test_hung_rank_times_out_with_a_clear_error(tmp_path):
 
 
 # ---- launch errors ----------------------------------------------------------------------------------
+def test_startup_errors_reach_every_rank_as_one_line(tmp_path, tiny_checkpoint):
+    """A bad --output (checked on rank 0 only) stops every rank at once with rank 0's message; a rank that never
+    joins leaves the others one line, not a gloo traceback, once the startup timeout has passed."""
+    ck = tiny_checkpoint("llama")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["--model", ck, "--draft", "random", "--max-len", "64", "--threads", "1", "--timeout", "5",
+            "--startup-timeout", "8", "Hi"]
+    job = Job(tmp_path, 2, base + ["--output", f"{afile}/o.json"])
+    try:
+        job.wait(120)
+    finally:
+        job.kill()
+    for r in range(2):
+        err = job.stderr(r).strip()
+        assert job.procs[r].returncode == 2, err[-2000:]
+        assert f"startup failed while checking the options: rank 0: --output {afile}/o.json: {afile} is a file" \
+            in err and len(err.splitlines()) == 1, err[-2000:]
+    job = Job(tmp_path, 2, base, per_rank={1: ["--threads", "-1"]})  # rank 1 exits before it joins
+    try:
+        job.wait(120)
+    finally:
+        job.kill()
+    err = job.stderr(0).strip()
+    assert job.procs[0].returncode == 1 and job.procs[1].returncode == 2, err[-2000:]
+    assert "error (rank 0): startup failed while joining the process group at 127.0.0.1:" in err, err[-2000:]
+    assert "another rank stopped, or did not answer within 8 s" in err and len(err.splitlines()) == 1, err[-2000:]
+
+
 def test_missing_rendezvous_settings():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     p = subprocess.run([sys.executable, "-m", "spd_fast.distributed", "Hi"], env=env, capture_output=True,

@@ -126,8 +126,11 @@ def run(args: argparse.Namespace) -> int:
     from .launch import shutdown
 
     check_prompt_args(args)
-    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes it (other hosts may lack that folder)
-        check_output(args.output, "--output")
+
+    def check_rank0_output() -> None:  # only rank 0 writes it (other hosts may lack that folder)
+        if os.environ.get("RANK", "0") == "0":
+            check_output(args.output, "--output")
+
     if args.threads:
         torch.set_num_threads(args.threads)
     eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
@@ -135,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                            draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
                            max_len=args.max_len, seed=args.seed_head, progress=not args.json,
                            timeout=args.timeout, startup_timeout=args.startup_timeout,
-                           draft_vocab_size=args.draft_vocab_size, lookup=args.lookup)
+                           draft_vocab_size=args.draft_vocab_size, lookup=args.lookup,
+                           startup_check=check_rank0_output)  # every rank hears of a bad --output at once
     if not eng.is_driver:
         eng.run_requests([])
         shutdown()

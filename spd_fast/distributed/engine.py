@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -156,8 +156,12 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
                      dtype: str | torch.dtype = "float32",
                      device: str = "cpu", max_len: int = 2048, seed: int = 0, progress: bool = True,
                      timeout: float = 30.0, startup_timeout: float = 60.0,
-                     draft_vocab_size: int = 0, lookup: int = DEFAULT_LOOKUP) -> DistributedEngine:
-    """Call on every rank of a torchrun job. num_stages defaults to the world size and must equal it."""
+                     draft_vocab_size: int = 0, lookup: int = DEFAULT_LOOKUP,
+                     startup_check: Callable[[], None] | None = None) -> DistributedEngine:
+    """Call on every rank of a torchrun job. num_stages defaults to the world size and must equal it.
+    `startup_check` runs on every rank once all have joined; if it raises on any rank, every rank gets
+    that error (e.g. the CLI's check of rank 0's output path), instead of the others waiting for a rank
+    that left."""
     check_lookup(lookup)
     check_seed(seed, "seed (of a random head)")
     tdtype = parse_dtype(dtype)
@@ -177,6 +181,8 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
     def resolve() -> str:  # the first rank of each node converts the default GGUF once; the others reuse it
         return str(resolve_model_dir(model, progress=progress and ctx.rank == 0))
 
+    if startup_check is not None:
+        gather_or_fail(ctx, "checking the options", startup_check)
     first = gather_or_fail(ctx, "resolving the model", resolve if ctx.local_rank == 0 else (lambda: None))
     descs = gather_or_fail(ctx, "reading the checkpoint", lambda: _describe_rank(
         first[ctx.rank] or resolve(), tdtype, max_len, requested, bnd))

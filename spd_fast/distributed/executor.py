@@ -172,8 +172,9 @@ class PipelineDriver:
         msg = self.links.recv(HDR + rows * A * H + pay, s, f"the report of rank {s} on item {self.got[s]}")
         pos = int(msg[1]) if pos0 is None else pos0
         if A:
+            # the worker sends its anchors one after another, each [rows, H] (see the report's `parts`)
             st.anchors[pos:pos + rows, self.plan.recorded_idx(s)] = \
-                msg[HDR:HDR + rows * A * H].view(rows, A, H).to(st.anchors.dtype)
+                msg[HDR:HDR + rows * A * H].view(A, rows, H).transpose(0, 1).to(st.anchors.dtype)
         self.got[s] += 1
         return pos, msg[HDR + rows * A * H:]
 

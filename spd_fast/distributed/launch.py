@@ -76,12 +76,26 @@ def init_rank(device: str = "cpu", timeout: float = 30.0, startup_timeout: float
         backend = dist.get_backend()
     else:
         rank, world, local = rendezvous_env()
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=startup_timeout))
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=startup_timeout))
+        except Exception as e:  # noqa: BLE001 - the store's and gloo's errors: a rank that never came up
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise _lost(f"joining the process group at {where} (rank 0 hosts it; check MASTER_ADDR and MASTER_PORT "
+                        f"if no rank reported an error)", startup_timeout, e) from None
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return RankContext(rank, world, local, dev, backend, timeout, startup_timeout)
+
+
+def _lost(step: str, seconds: float, e: BaseException) -> Exception:
+    """A failed startup collective as one line: another rank stopped (its own error says why) or hung."""
+    from .comm import RankFailure
+
+    reason = " ".join(str(e).split())[:200]
+    return RankFailure(f"startup failed while {step}: another rank stopped, or did not answer within {seconds:.0f} s "
+                       f"({type(e).__name__}: {reason}); see the other ranks' own errors")
 
 
 def gather_or_fail(ctx: RankContext, step: str, fn: Callable[[], Any]) -> list[Any]:
@@ -92,7 +106,10 @@ def gather_or_fail(ctx: RankContext, step: str, fn: Callable[[], Any]) -> list[A
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         mine = ("error", f"{type(e).__name__}: {e}" if not isinstance(e, SpdConfigError) else str(e))
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, mine)
+    try:
+        dist.all_gather_object(out, mine)
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL errors of a peer that died or hung
+        raise _lost(step, ctx.startup_timeout, e) from None
     errors = [f"rank {r}: {v}" for r, (status, v) in enumerate(out) if status == "error"]
     if errors:
         raise DistributedConfigError(f"startup failed while {step}: " + "; ".join(errors))
@@ -107,7 +124,10 @@ def broadcast_from_rank0(ctx: RankContext, step: str, fn: Callable[[], Any]) -> 
             box[0] = ("ok", fn())
         except Exception as e:  # noqa: BLE001
             box[0] = ("error", str(e) if isinstance(e, SpdConfigError) else f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except Exception as e:  # noqa: BLE001
+        raise _lost(step, ctx.startup_timeout, e) from None
     status, v = box[0]
     if status == "error":
         raise DistributedConfigError(f"startup failed while {step} on rank 0: {v}")
