@@ -46,6 +46,13 @@ def _open(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # truncated files fail inside numpy memmap / struct parsing
+        if "GGMLQuantizationType" in str(e):  # a tensor type newer than this gguf package
+            from importlib.metadata import version
+
+            raise CheckpointError(
+                f"{path} uses a tensor type that the installed gguf package ({version('gguf')}) does not know "
+                f"({e}); upgrade it (pip install -U gguf) or re-quantise the file to a common type (F16, Q8_0, "
+                f"Q4_K)") from None
         raise CheckpointError(
             f"cannot read GGUF file {path} ({type(e).__name__}: {e}); it is truncated or corrupt, copy it again") from e
 
@@ -65,6 +72,19 @@ def gguf_config(reader) -> dict[str, Any]:
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    if (g("expert_count") or 0) > 0:
+        raise SpdConfigError(f"this GGUF file is a mixture-of-experts {arch} model ({g('expert_count')} experts), "
+                             f"which spd_fast does not run; use a dense model")
+    scaling, factor = g("rope.scaling.type"), g("rope.scaling.factor")
+    if scaling not in (None, "none") and factor not in (None, 1, 1.0):
+        raise SpdConfigError(f"this GGUF file asks for {scaling} RoPE scaling (factor {factor}), which spd_fast "
+                             f"does not implement, so its logits would be wrong; use a checkpoint without RoPE "
+                             f"scaling (Llama-3 scaling is supported from a Hugging Face checkpoint directory)")
+    head_dim = g("attention.key_length", hidden // heads if hidden and heads else None)
+    rot = g("rope.dimension_count")
+    if rot is not None and head_dim is not None and rot != head_dim:
+        raise SpdConfigError(f"this GGUF file rotates {rot} of each head's {head_dim} dimensions (partial RoPE), "
+                             f"which spd_fast does not implement; its logits would be wrong")
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = g("vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -78,7 +98,7 @@ def gguf_config(reader) -> dict[str, Any]:
         "num_hidden_layers": g("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": g("attention.head_count_kv", heads),
-        "head_dim": g("attention.key_length", hidden // heads),
+        "head_dim": head_dim,
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": g("context_length", 8192),
@@ -109,19 +129,24 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             name = _GLOBAL_NAMES[t.name]
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
-            if rest not in _LAYER_NAMES:
-                continue
+            if rest not in _LAYER_NAMES:  # dropping it would run another model (e.g. MLP or output biases)
+                raise CheckpointError(f"{path} holds tensor {t.name}, which a supported {cfg['model_type']} layer "
+                                      f"does not have, so spd_fast would run the model without it and give wrong "
+                                      f"logits; use a checkpoint of a supported architecture (docs: README, Usage)")
             name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
         elif t.name == "rope_freqs.weight":  # llama.cpp's Llama-3.1+ RoPE scaling factors
             raise CheckpointError(f"{path} stores RoPE frequency factors (Llama-3.1-style RoPE scaling), which spd_fast "
                                   f"does not rebuild from a GGUF, so its logits would be wrong; load the model's "
                                   f"Hugging Face checkpoint directory instead (config.json keeps rope_scaling)")
         else:
-            continue
+            raise CheckpointError(f"{path} holds tensor {t.name}, which a supported {cfg['model_type']} model does "
+                                  f"not have, so spd_fast would run the model without it and give wrong logits; use "
+                                  f"a checkpoint of a supported architecture")
         try:
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:
-            raise CheckpointError(f"cannot dequantise {t.name} ({t.tensor_type.name}) from {path}: {e}") from e
+            raise CheckpointError(f"cannot dequantise {t.name} ({t.tensor_type.name}) from {path}: {e}; re-save the "
+                                  f"file with F32, F16 or a common quantisation (Q8_0, Q4_K)") from e
         arr = arr.reshape(tuple(int(x) for x in reversed(t.shape)))
         if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]

@@ -65,8 +65,15 @@ def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) ->
 
 
 def _gguf_key(path: Path) -> str:
+    """The conversion's identity: the resolved path, size and mtime (ns), and a hash of the file's first and last
+    MiB (its header and tensor index, and the tail of its data), so a same-size file written over it within a
+    second, or with its mtime kept, is still converted again."""
     st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{_FORMAT}".encode())
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(st.st_size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
     return f"{path.stem}-{h.hexdigest()[:12]}"
 
 
@@ -168,9 +175,9 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _prune_older_conversions(path: Path, keep: Path) -> None:
     """Drop conversions of earlier versions of the same GGUF file (a reinstall changes its mtime, so the
-    cache key): each holds a full copy of the model. Only this host's conversions of this resolved path
-    go: other files, and other hosts sharing the cache (each with its own install at that path), keep
-    theirs."""
+    cache key), and of files this host no longer has: each holds a full copy of the model. Only this host's
+    conversions go: other files, and other hosts sharing the cache (each with its own install at that
+    path), keep theirs."""
     source, host = str(path.resolve()), socket.gethostname()
     for d in keep.parent.iterdir():
         if d == keep or d.name.startswith(".") or not _finished(d):
@@ -179,5 +186,9 @@ def _prune_older_conversions(path: Path, keep: Path) -> None:
             marker = json.loads((d / _MARKER).read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(marker, dict) and marker.get("source") == source and marker.get("host") == host:
+        if not isinstance(marker, dict) or marker.get("host") != host or not isinstance(marker.get("source"), str):
+            continue
+        # this file's earlier versions, and conversions of files that no longer exist here (a removed
+        # environment's copy of the default model): each is a full copy of a model nothing can load again
+        if marker["source"] == source or not Path(marker["source"]).exists():
             shutil.rmtree(d, ignore_errors=True)

@@ -161,7 +161,8 @@ def test_garbage_gguf(tmp_path):
         read_gguf(f)
 
 
-def _tiny_gguf(path, rope_freqs: bool) -> None:
+def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict | None = None,
+               seed: int = 0) -> None:
     import gguf
     import numpy as np
 
@@ -170,6 +171,11 @@ def _tiny_gguf(path, rope_freqs: bool) -> None:
     w.add_context_length(512), w.add_embedding_length(H), w.add_block_count(1), w.add_feed_forward_length(F)
     w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(500000.0)
     w.add_vocab_size(V)
+    for key, value in (kv or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
+            key, value)
+    if extra_tensor:
+        w.add_tensor(extra_tensor, np.zeros(F if "ffn" in extra_tensor else H, np.float32))
     r = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", (r.standard_normal((V, H)) * 0.05).astype(np.float32))
     w.add_tensor("output_norm.weight", np.ones(H, np.float32))
@@ -178,8 +184,78 @@ def _tiny_gguf(path, rope_freqs: bool) -> None:
     for n, shape in [("attn_norm.weight", (H,)), ("ffn_norm.weight", (H,)), ("attn_q.weight", (H, H)),
                      ("attn_k.weight", (32, H)), ("attn_v.weight", (32, H)), ("attn_output.weight", (H, H)),
                      ("ffn_gate.weight", (F, H)), ("ffn_up.weight", (F, H)), ("ffn_down.weight", (H, F))]:
-        w.add_tensor("blk.0." + n, (r.standard_normal(shape) * 0.05).astype(np.float32))
+        w.add_tensor("blk.0." + n, (r.standard_normal(shape) * 0.05 + seed).astype(np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+@pytest.mark.parametrize("extra_tensor,kv,message", [
+    ("blk.0.ffn_gate.bias", None, r"holds tensor blk.0.ffn_gate.bias, which a supported llama layer does not have, "
+                                  r"so spd_fast would run the model without it and give wrong logits"),
+    ("blk.0.attn_output.bias", None, r"holds tensor blk.0.attn_output.bias"),
+    ("output_norm.bias", None, r"holds tensor output_norm.bias, which a supported llama model does not have"),
+    (None, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+     r"asks for linear RoPE scaling \(factor 4.0\), which spd_fast does not implement"),
+    (None, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, r"asks for yarn RoPE scaling"),
+    (None, {"llama.expert_count": 2}, r"mixture-of-experts llama model \(2 experts\), which spd_fast does not run"),
+    (None, {"llama.rope.dimension_count": 8}, r"rotates 8 of each head's 16 dimensions \(partial RoPE\)"),
+], ids=["mlp-bias", "output-bias", "norm-bias", "rope-linear", "rope-yarn", "moe", "partial-rope"])
+def test_gguf_variants_spd_fast_would_run_wrong_are_refused(tmp_path, extra_tensor, kv, message):
+    """Tensors or settings the model code has no place for used to be dropped or ignored: the file loaded and
+    gave wrong logits. A scaling factor of 1 is no scaling, and the rotary size of full RoPE is accepted."""
+    from spd_fast.gguf_loader import read_gguf
+
+    _tiny_gguf(tmp_path / "v.gguf", rope_freqs=False, extra_tensor=extra_tensor, kv=kv)
+    with pytest.raises(SpdConfigError, match=message):
+        read_gguf(tmp_path / "v.gguf")
+    _tiny_gguf(tmp_path / "ok.gguf", rope_freqs=False, kv={"llama.rope.scaling.type": "linear",
+                                                           "llama.rope.scaling.factor": 1.0,
+                                                           "llama.rope.dimension_count": 16})
+    assert read_gguf(tmp_path / "ok.gguf")[0]["head_dim"] == 16
+
+
+def test_gguf_of_an_unknown_tensor_type_says_to_upgrade_gguf(tmp_path):
+    import gguf
+
+    from spd_fast.gguf_loader import read_gguf
+
+    _tiny_gguf(tmp_path / "t.gguf", rope_freqs=False)
+    reader = gguf.GGUFReader(str(tmp_path / "t.gguf"))
+    t = reader.tensors[0]
+    raw = bytearray((tmp_path / "t.gguf").read_bytes())
+    # the tensor index: name (u64 length + bytes), n_dims (u32), dims (u64 each), type (u32), offset (u64)
+    name = t.name.encode()
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    raw[type_at:type_at + 4] = (77).to_bytes(4, "little")
+    (tmp_path / "t.gguf").write_bytes(bytes(raw))
+    with pytest.raises(SpdConfigError, match=r"uses a tensor type that the installed gguf package .* does not know "
+                                             r".* upgrade it \(pip install -U gguf\) or re-quantise"):
+        read_gguf(tmp_path / "t.gguf")
+
+
+def test_a_same_size_gguf_written_over_another_within_a_second_is_converted_again(tmp_path):
+    """The conversion cache key covers the file's first and last MiB and its mtime in ns, not only the path,
+    size and mtime second: a file replaced within a second (or with its mtime kept) once reused the old
+    conversion, and the packed decode then read the new file's blocks on top of the old weights."""
+    import os
+
+    from spd_fast import store
+
+    f = tmp_path / "m.gguf"
+    _tiny_gguf(tmp_path / "a.gguf", rope_freqs=False, seed=0)
+    _tiny_gguf(tmp_path / "b.gguf", rope_freqs=False, seed=1)
+    a, b = (tmp_path / "a.gguf").read_bytes(), (tmp_path / "b.gguf").read_bytes()
+    assert len(a) == len(b) and a != b
+    f.write_bytes(a)
+    st = f.stat()
+    key_a = store._gguf_key(f)
+    f.write_bytes(b)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the bytes differ
+    assert store._gguf_key(f) != key_a
+    f.write_bytes(a)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store._gguf_key(f) == key_a
 
 
 def test_gguf_with_rope_frequency_factors_is_refused(tmp_path):

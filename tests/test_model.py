@@ -200,7 +200,8 @@ def test_gguf_conversion_keeps_a_winner_that_publishes_while_a_partial_directory
 
 
 def test_gguf_conversion_drops_conversions_of_earlier_versions_of_the_same_file(tmp_path, monkeypatch):
-    """A reinstalled GGUF (new mtime, new cache key) replaces its older conversion; other models' stay."""
+    """A reinstalled GGUF (new mtime, new cache key) replaces its older conversion; other models' stay, and
+    this host's conversions of files that no longer exist go."""
     import json
     import os
 
@@ -221,9 +222,15 @@ def test_gguf_conversion_drops_conversions_of_earlier_versions_of_the_same_file(
     foreign = second.parent / "m-otherhost"
     foreign.mkdir()
     (foreign / "spd_fast_converted.json").write_text(json.dumps({"source": str(gguf.resolve()), "host": "elsewhere"}))
+    # conversions of files that are gone (a removed environment's copy): this host's go, another host's stay
+    gone, gone_foreign = second.parent / "gone-1", second.parent / "gone-2"
+    for d, host in [(gone, store.socket.gethostname()), (gone_foreign, "elsewhere")]:
+        d.mkdir()
+        (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "gone.gguf"), "host": host}))
     os.utime(gguf, (1_100_000_000, 1_100_000_000))
     third = store.convert_gguf(gguf, progress=False)
     assert not second.exists() and third.is_dir() and foreign.is_dir()
+    assert not gone.exists() and gone_foreign.is_dir() and kept.is_dir()
     # the same file name in another directory, given relatively: another model, not pruned
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a").mkdir()
