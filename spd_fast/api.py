@@ -178,8 +178,14 @@ class Engine:
 
     def _own_caches(self) -> None:
         """Give the model back the KV cache this engine was built with: another Engine on the same loaded target,
-        batched generation or training may have reallocated it at another size (a no-op otherwise)."""
-        self.target.model.setup_caches(1, self.max_len)
+        batched generation or training may have reallocated it at another size (a no-op otherwise). A
+        reallocation counts as a generation: an open stream of another engine on this model, which read the
+        old caches, must then stop instead of decoding from the new, empty ones."""
+        model = self.target.model
+        version = model.cache_version
+        model.setup_caches(1, self.max_len)
+        if model.cache_version != version:
+            model.generations += 1
 
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
         """The KV cache check each decoder makes when it starts, made up front for every prompt of a call."""

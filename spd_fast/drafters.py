@@ -176,7 +176,12 @@ class ReferenceDrafter:
         # drawn here, once per position, not while drafting: a draw inside a captured CUDA graph would need this
         # generator registered with the graph, and every executor then sees the same outcomes, whatever drafts
         # it makes and discards
-        self.right = torch.rand(len(self.ref), generator=self.rng, device=dev) < self.p_right
+        # filled in place: a captured cycle reads this buffer, so it must stay at one address across generations
+        draws = torch.rand(len(self.ref), generator=self.rng, device=dev) < self.p_right
+        if self.right is None or self.right.device != draws.device:
+            self.right = draws
+        else:
+            self.right.copy_(draws)
         if self.head is not None:
             self.head.prefill(engine, st)
 

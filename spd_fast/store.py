@@ -190,5 +190,9 @@ def _prune_older_conversions(path: Path, keep: Path) -> None:
             continue
         # this file's earlier versions, and conversions of files that no longer exist here (a removed
         # environment's copy of the default model): each is a full copy of a model nothing can load again
-        if marker["source"] == source or not Path(marker["source"]).exists():
+        try:
+            gone = not Path(marker["source"]).exists()
+        except OSError:  # e.g. another user's file in a directory this user cannot read: not ours to judge
+            continue
+        if marker["source"] == source or gone:
             shutil.rmtree(d, ignore_errors=True)

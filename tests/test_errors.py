@@ -1,6 +1,7 @@
 """Every error a user can hit names the problem and the fix."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -621,6 +622,15 @@ def test_engines_sharing_one_loaded_target_guard_and_size_its_cache(default_targ
         assert len(e1.generate(long, 4, method=method).token_ids) == 4
         with pytest.raises(SpdConfigError, match="max_len"):
             e2.generate(long, 4, method=method)
+        # a call on the other engine that resizes the cache without decoding (a refused prompt, a stream not
+        # started yet) still stops an open stream, which would otherwise decode from the new, empty cache
+        for side_call in (lambda: e2.stream("Hi", 2, method=method), lambda: e2.generate(long, 4, method=method)):
+            s = e1.stream("Once upon a time", 12, method=method)
+            next(s)
+            with contextlib.suppress(SpdConfigError):
+                side_call()
+            with pytest.raises(SpdConfigError, match="another Engine sharing its loaded model"):
+                list(s)
     finally:
         m.setup_caches(1, 1024)  # the fixture's size, for the tests after this one
 

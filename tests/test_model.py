@@ -227,10 +227,22 @@ def test_gguf_conversion_drops_conversions_of_earlier_versions_of_the_same_file(
     for d, host in [(gone, store.socket.gethostname()), (gone_foreign, "elsewhere")]:
         d.mkdir()
         (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "gone.gguf"), "host": host}))
+    hidden = second.parent / "hidden-1"  # a source this user may not even look at: left alone, no error
+    hidden.mkdir()
+    (hidden / "spd_fast_converted.json").write_text(json.dumps({"source": "/unreadable/x.gguf",
+                                                                 "host": store.socket.gethostname()}))
+    real_exists = store.Path.exists
+
+    def exists(self, *a, **k):
+        if str(self) == "/unreadable/x.gguf":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *a, **k)
+
+    monkeypatch.setattr(store.Path, "exists", exists)
     os.utime(gguf, (1_100_000_000, 1_100_000_000))
     third = store.convert_gguf(gguf, progress=False)
     assert not second.exists() and third.is_dir() and foreign.is_dir()
-    assert not gone.exists() and gone_foreign.is_dir() and kept.is_dir()
+    assert not gone.exists() and gone_foreign.is_dir() and kept.is_dir() and hidden.is_dir()
     # the same file name in another directory, given relatively: another model, not pruned
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a").mkdir()

@@ -436,6 +436,10 @@ def test_bernoulli_reference_drafter_draws_outside_the_cycle(tiny_checkpoint):
     d = drafter()
     seq = SPDEngine(m, d, b).run(ids, 120, GREEDY, [])
     assert seq.token_ids == ref and d.right is not None and d.right.dtype == torch.bool
+    buf, outcomes = d.right.data_ptr(), d.right.clone()
+    again = SPDEngine(m, d, b).run(ids, 120, GREEDY, [])
+    assert [again.metrics[k] for k in ("cycles", "accepted")] == [seq.metrics[k] for k in ("cycles", "accepted")]
+    assert d.right.data_ptr() == buf and torch.equal(d.right, outcomes)  # refilled in place: a graph reads it
     assert 0.5 < seq.metrics["acceptance_rate"] < 0.9
     pipe = PipelinedEngine(SPDEngine(m, drafter(), b), "simulated").run(ids, 120, GREEDY, [])
     assert pipe.token_ids == ref

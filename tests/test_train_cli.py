@@ -270,7 +270,8 @@ def test_a_rerun_on_other_data_is_refused_and_a_finished_run_trains_nothing(full
     assert (out / "head" / "draft.safetensors").read_bytes() == weights
     rc, err = run(base + ["--data", str(d2)], capsys)
     assert rc == 2 and f"{out} holds a run trained on other data (6 samples" in err and "now 5" in err, err
-    assert "pass the run's own --data (same files, same order), or --no-resume" in err
+    assert "pass the run's own --data (same files, same order) and --max-seq-len (it decides which samples are " \
+           "kept), or --no-resume" in err
     rc, err = run(base + ["--data", str(d1), "--data", str(d2)], capsys)
     assert rc == 2 and "now 11" in err
     assert run(base + ["--data", str(d2), "--no-resume"], capsys)[0] == 0

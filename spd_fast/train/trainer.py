@@ -368,8 +368,9 @@ class PdmTrainer:
             raise SpdConfigError(
                 f"{out} holds a run trained on other data ({old_data['samples']} samples, fingerprint "
                 f"{old_data['sha256']}; now {self.data_key['samples']}, {self.data_key['sha256']}): resuming would "
-                f"train the rest of its schedule on these data; pass the run's own --data (same files, same order), "
-                f"or --no-resume (or another --out) to start over, or --init {out}/head to fine-tune its head")
+                f"train the rest of its schedule on these data; pass the run's own --data (same files, same "
+                f"order) and --max-seq-len (it decides which samples are kept), or --no-resume (or another --out) "
+                f"to start over, or --init {out}/head to fine-tune its head")
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
