@@ -105,6 +105,7 @@ class Engine:
         target, would otherwise continue from the other's state. The count lives on the model, which
         owns the caches."""
         model = self.target.model
+        self._own_caches()  # another user of the model may have resized them since the call's capacity check
         model.generations += 1
         mine = model.generations
         for t in self._decode(prompt_ids, max_new_tokens, params, method):
@@ -119,7 +120,6 @@ class Engine:
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
                 ) -> Iterator[int]:
-        self._own_caches()  # another user of the model may have resized them since the call's capacity check
         # the GPU placements keep one generator, reseeded per call, so their CUDA graphs (which register it)
         # are not captured again for every sampled call
         graphed = self.pipelined is not None or self.graphed_ar is not None
@@ -179,13 +179,8 @@ class Engine:
     def _own_caches(self) -> None:
         """Give the model back the KV cache this engine was built with: another Engine on the same loaded target,
         batched generation or training may have reallocated it at another size (a no-op otherwise). A
-        reallocation counts as a generation: an open stream of another engine on this model, which read the
-        old caches, must then stop instead of decoding from the new, empty ones."""
-        model = self.target.model
-        version = model.cache_version
-        model.setup_caches(1, self.max_len)
-        if model.cache_version != version:
-            model.generations += 1
+        reallocation ends any generation in progress on the old caches (`Transformer.setup_caches`)."""
+        self.target.model.setup_caches(1, self.max_len)
 
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
         """The KV cache check each decoder makes when it starts, made up front for every prompt of a call."""

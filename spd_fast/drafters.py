@@ -174,9 +174,8 @@ class ReferenceDrafter:
             self.rng = torch.Generator(device=dev)
         self.rng.manual_seed(self.seed)
         # drawn here, once per position, not while drafting: a draw inside a captured CUDA graph would need this
-        # generator registered with the graph, and every executor then sees the same outcomes, whatever drafts
-        # it makes and discards
-        # filled in place: a captured cycle reads this buffer, so it must stay at one address across generations
+        # generator registered with the graph, and every executor sees the same outcomes, whatever drafts it
+        # makes and discards. Filled in place: a captured cycle reads this buffer at one address.
         draws = torch.rand(len(self.ref), generator=self.rng, device=dev) < self.p_right
         if self.right is None or self.right.device != draws.device:
             self.right = draws

@@ -234,8 +234,8 @@ class Transformer(nn.Module):
         # bumped whenever the KV caches are (re)allocated: a captured CUDA graph holds the old buffers, so its
         # owner keys the capture on this
         self.cache_version = 0
-        # generations started on these caches (by any Engine on this model): an open stream whose caches another
-        # generation reused refuses to go on
+        # generations started on these caches (by any Engine on this model), and reallocations, which end the
+        # generation in progress: an open stream refuses to go on once this moved
         self.generations = 0
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -278,6 +278,7 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
         self.max_len = max_len
         self.cache_version += 1
+        self.generations += 1  # whatever was decoding on the old caches cannot go on
         self.__dict__["_rope_by_device"] = {}
 
     def rope_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +295,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attn.k_cache = layer.attn.v_cache = None
         self.max_len = 0
+        self.generations += 1
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)

@@ -631,6 +631,11 @@ def test_engines_sharing_one_loaded_target_guard_and_size_its_cache(default_targ
                 side_call()
             with pytest.raises(SpdConfigError, match="another Engine sharing its loaded model"):
                 list(s)
+        s = e1.stream("Once upon a time", 12, method=method)  # any reallocation, e.g. batched generation's
+        next(s)
+        m.setup_caches(4, 1024)
+        with pytest.raises(SpdConfigError, match="another Engine sharing its loaded model"):
+            list(s)
     finally:
         m.setup_caches(1, 1024)  # the fixture's size, for the tests after this one
 
