@@ -165,6 +165,7 @@ def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
     assert rc == 2 and f"validation file {tmp_path} is a directory; pass a file" in err
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--prompts", str(tmp_path / "nope.jsonl")), capsys)
     assert rc == 2 and "prompt file" in err and "nope.jsonl does not exist" in err
+    assert not (tmp_path / "o").exists()  # a run refused before it wrote anything leaves no directory behind
 
 
 def test_resume_refuses_another_head_and_a_fresh_start_drops_the_old_best(full_vocab_checkpoint, tmp_path, capsys):
@@ -274,6 +275,8 @@ def test_a_rerun_on_other_data_is_refused_and_a_finished_run_trains_nothing(full
            "kept), or --no-resume" in err
     rc, err = run(base + ["--data", str(d1), "--data", str(d2)], capsys)
     assert rc == 2 and "now 11" in err
+    errors = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if '"error"' in line]
+    assert len(errors) == 2 and "now 11" in errors[-1]["error"]  # the run's log keeps why each attempt stopped
     assert run(base + ["--data", str(d2), "--no-resume"], capsys)[0] == 0
     assert (out / "head" / "draft.safetensors").read_bytes() != weights
 

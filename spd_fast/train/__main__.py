@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spd_fast.train: error: --boundaries {','.join(map(str, a.boundaries))} make "
               f"{len(a.boundaries) - 1} stages, not --num-stages {a.num_stages}; drop one of the two", file=sys.stderr)
         return 2
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     log_f = open(out / "train_log.jsonl", "a") if rank == 0 else None
 
@@ -207,7 +209,15 @@ def main(argv: list[str] | None = None) -> int:
               val_samples=val, train_lm_head=a.train_lm_head)
         log(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1), "head": str(out / "head")}))
     except SpdConfigError as e:
-        print(f"spd_fast.train: error: {cli_message(e, build_parser())}", file=sys.stderr)
+        msg = cli_message(e, build_parser())
+        print(f"spd_fast.train: error: {msg}", file=sys.stderr)
+        if log_f is not None:
+            log_f.close()
+            if created and [f.name for f in out.iterdir()] == ["train_log.jsonl"]:
+                shutil.rmtree(out)  # a run refused before it wrote anything leaves no directory behind
+            else:  # a run directory with history keeps the reason this attempt stopped
+                with open(out / "train_log.jsonl", "a") as f:
+                    f.write(json.dumps({"error": msg}) + "\n")
         return 2
     finally:
         if world > 1 and dist.is_initialized():
