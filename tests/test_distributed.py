@@ -241,6 +241,23 @@ def test_killed_rank_makes_the_others_exit(tmp_path):
     assert "the connection was lost" in job.stderr(0) + job.stderr(2)
 
 
+@pytest.mark.parametrize("rank,src,world,suspects", [
+    (0, 1, 2, None), (1, 0, 2, None),             # two ranks: the peer is the only suspect
+    (0, 2, 3, "1"), (2, 1, 3, "0"), (0, 4, 5, "1, 2, 3"), (3, 2, 5, "4, 0, 1")])
+def test_a_timeout_names_every_rank_the_silent_peer_waits_on(rank, src, world, suspects):
+    """Rank 0 times out on the last stage when any middle stage hangs: the message must not blame that rank alone."""
+    import torch
+
+    from spd_fast.distributed.comm import Links
+
+    links = Links(rank, 4.0, lambda r: f"stage {r}", torch.device("cpu"), world)
+    msg = str(links._fail(RuntimeError("Timed out waiting 4000ms"), src, "waiting for a report"))
+    assert msg.startswith(f"rank {rank}: lost rank {src} (stage {src}) while waiting for a report: no message within 4 s")
+    assert (f"it, or a rank it waits on ({suspects}), is hung" if suspects else "s: it is hung") in msg, msg
+    # a send that does not complete waits on its receiver alone
+    assert ": it is hung" in str(links._fail(RuntimeError("timeout"), src, "sending a hidden state"))
+
+
 def test_hung_rank_times_out_with_a_clear_error(tmp_path):
     timeout = 4.0
     job = Job(tmp_path, 2, [*HEAD_ARGS, "--max-new-tokens", "64", "--timeout", str(timeout), "Hi there"],

@@ -34,8 +34,9 @@ def header(kind: float, pos: int = 0, aux: float = 0.0, extra: int = 0, device=N
 class Links:
     """This rank's sends and receives. `describe(r)` names a peer in error messages."""
 
-    def __init__(self, rank: int, timeout: float, describe, device: torch.device):
+    def __init__(self, rank: int, timeout: float, describe, device: torch.device, world: int = 0):
         self.rank, self.timeout, self.describe, self.device = rank, timeout, describe, device
+        self.world = world  # ranks in the chain 0 -> 1 -> ... -> world-1 -> 0 (0: unknown)
         self._wait = timedelta(seconds=timeout)
         self._pending: dict[int, deque] = {}
         self.send_s = 0.0      # posting sends and waiting for old ones to drain
@@ -46,13 +47,28 @@ class Links:
         msg = str(err)
         low = msg.lower()
         if "timed out" in low or "timeout" in low:
-            why = (f"no message within {self.timeout:g} s: it is hung, stuck, or slower than the timeout "
+            who = "it is"
+            if what.startswith("waiting") and (up := self.upstream(peer)):
+                # a message from `peer` waits on every rank between this one and it along the chain
+                who = f"it, or a rank it waits on ({', '.join(map(str, up))}), is"
+            why = (f"no message within {self.timeout:g} s: {who} hung, stuck, or slower than the timeout "
                    "(raise --timeout / timeout= if stages are legitimately this slow)")
         elif any(w in low for w in ("reset", "closed", "broken pipe", "read error", "write error", "eof")):
             why = "the connection was lost: that process exited or crashed (see its own error output)"
         else:
             why = f"{type(err).__name__}: {msg.splitlines()[0] if msg else ''}"
         return RankFailure(f"rank {self.rank}: lost rank {peer} ({self.describe(peer)}) while {what}: {why}")
+
+    def upstream(self, src: int) -> list[int]:
+        """The ranks whose output a message from `src` to this rank depends on, `src` excluded: the chain
+        runs 0 -> 1 -> ... -> world-1 -> 0, so those from this rank's successor to `src`'s predecessor."""
+        if self.world < 2:
+            return []
+        chain, r = [], (self.rank + 1) % self.world
+        while r != src and len(chain) < self.world:
+            chain.append(r)
+            r = (r + 1) % self.world
+        return chain if r == src else []
 
     def send(self, t: torch.Tensor, dst: int, what: str) -> None:
         t0 = time.perf_counter()

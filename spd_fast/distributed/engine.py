@@ -205,7 +205,7 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
         s, n = ctx.rank, plan.n
         net = load_stage(path, cfg, plan.layers(s), embedding=s == 0, head=s == 0 or s == n - 1,
                          dtype=tdtype, device=ctx.device, max_len=max_len)
-        links = Links(s, ctx.timeout, plan.describe, ctx.device) if n > 1 else None
+        links = Links(s, ctx.timeout, plan.describe, ctx.device, n) if n > 1 else None
         if s != 0:
             return None, None, StageWorker(s, plan, net, links, tdtype), links
         from transformers import AutoTokenizer
