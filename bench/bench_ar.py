@@ -70,8 +70,10 @@ def _worker(impl: str, threads: int, new_tokens: int, repeats: int, dtype: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")

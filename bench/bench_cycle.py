@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     from spd_fast.ar import decode_ar
     from spd_fast.sampling import SamplingParams
 
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-stages", default="2,3,5")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--draft", default=None, help="head dir; default: shipped head per n, else random")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--out", default="bench/results/cycle.json")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -50,11 +50,13 @@ def run(policy: str, a) -> dict:
 
 
 def main() -> None:
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=64, help="the first N prompts of the held-out val_long file")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2, help="runs per policy, alternated")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
     if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:

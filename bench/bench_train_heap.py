@@ -60,11 +60,13 @@ def run(policy: str, data: Path, out: Path, a) -> dict:
 
 
 def main() -> None:
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=150, help="answers drawn (seed 0) from the GPU data file")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--batch-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
     rows = [json.loads(x) for x in gzip.open(DATA, "rt")]

@@ -24,7 +24,9 @@ from pathlib import Path
 
 from spd_fast.config import SpdConfigError
 
-_SAME = ("max_new_tokens", "limit", "categories", "seed")  # the draft and the lookup may differ: that is what is compared
+# the draft and the lookup may differ: that is what is compared (older results lack model_fingerprint: not checked)
+_SAME = {"max_new_tokens": "--max-new-tokens", "limit": "--limit", "categories": "--categories", "seed": "--seed",
+         "model_fingerprint": "--model"}
 
 
 def _load(path: str) -> dict:
@@ -34,9 +36,13 @@ def _load(path: str) -> dict:
     try:
         res = json.loads(p.read_text())
         rows = res["rows"]
-    except (ValueError, KeyError, TypeError):
-        raise SpdConfigError(f"{path} is not an evaluation result (no 'rows'); pass the .json file that "
-                             "bench/eval_acceptance.py --out wrote") from None
+        ok = isinstance(rows, list) and all(isinstance(r, dict) and {"n", "temperature", "category"} <= r.keys()
+                                            for r in rows)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise SpdConfigError(f"{path} is not an evaluation result (no list of 'rows' with n, temperature and "
+                             "category); pass the .json file that bench/eval_acceptance.py --out wrote") from None
     if rows and not any("per_prompt" in r for r in rows):
         raise SpdConfigError(f"{path} has no per-prompt counts (it predates them); run the evaluation again "
                              "with this version of bench/eval_acceptance.py")
@@ -81,10 +87,10 @@ def compare(base: dict, new: dict, prompts: slice | None = None) -> list[dict]:
     from spd_fast.evaluate import paired_difference
 
     mb, mn = base.get("meta", {}), new.get("meta", {})
-    for k in _SAME:
+    for k, flag in _SAME.items():
         if k in mb and k in mn and mb[k] != mn[k]:
             raise SpdConfigError(f"the two runs differ in {k} ({mb[k]!r} vs {mn[k]!r}): a paired comparison needs "
-                                 "the same prompts and settings; run both with the same --limit, --max-new-tokens and --seed")
+                                 f"the same model, prompts and settings; run both with the same {flag}")
     key = lambda r: (r["n"], r["temperature"], r["category"])  # noqa: E731
     have = {key(r): r for r in _sliced(base["rows"], prompts) if "per_prompt" in r}
     out = []

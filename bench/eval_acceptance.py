@@ -18,7 +18,8 @@ from spd_fast.config import DEFAULT_LOOKUP
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spd_fast.cli_common import check_output, float_list, int_list, positive_int
+    from spd_fast.cli_bench import decode_tokens
+    from spd_fast.cli_common import check_output, float_list, int_list, non_negative_int, positive_int, positive_thread_count
     from spd_fast.config import SpdConfigError
     from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
     from spd_fast.sampling import SamplingParams
@@ -28,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-stages", type=int_list, default=[3], help="comma-separated n values")
     p.add_argument("--temperatures", type=float_list, default=[0.0], help="comma-separated, e.g. 0,0.7,1.0")
     p.add_argument("--limit", type=positive_int, default=40, help="prompts per category")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=decode_tokens, default=96)
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed SEED+i (matters at temperature > 0)")
-    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
+    p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP,
                    help=f"context lookup beside the PDM (default {DEFAULT_LOOKUP}; 0: the PDM alone)")
     p.add_argument("--out", default="bench/results/acceptance")
     a = p.parse_args(argv)
@@ -44,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate_acceptance(a.num_stages, a.temperatures, a.limit, a.max_new_tokens, a.draft,
                                   with_ar=not a.no_ar, progress=False,
                                   on_row=lambda r: print(json.dumps(r), flush=True), seed=a.seed, lookup=a.lookup)
+        print(markdown_table(res["rows"]))
+        write_results(res, a.out)
     except SpdConfigError as e:
         print(f"eval_acceptance.py: error: {e}", file=sys.stderr)
         return 2
-    write_results(res, a.out)
-    print(markdown_table(res["rows"]))
     return 0
 
 

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from spd_fast.cli_common import int_list, positive_int
     from spd_fast.config import SpdConfigError
 
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="head directory (default: the shipped head for each n)")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default=None,
                    help="a JSON file with a list of prompts (strings or chat-message lists) instead of the built-in ones")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--out", default=None, help="write OUT.json (OUT may end in .json)")
     a = p.parse_args(argv)
     prompts = PROMPTS

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from spd_fast.train.data import read_val_samples
     from spd_fast.train.trainer import PdmTrainer, TrainConfig
 
+    from spd_fast.cli_common import thread_count
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     ap.add_argument("--val", action="append", required=True, help="answers to score (.jsonl/.jsonl.gz/...); repeatable")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after-miss", action="store_true",
                     help="score each fill f < n only on rows that follow a miss of the head f tokens back, as the "
                          "pipeline's refills after a reject do (full fill scores every row)")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=thread_count, default=0)
     ap.add_argument("--out", help="also write the figures as JSON here")
     a = ap.parse_args(argv)
     try:

@@ -90,6 +90,8 @@ def finished_rounds(out: Path) -> set[int]:
 
 
 def main() -> None:
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
@@ -99,7 +101,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of the answers")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--mix", choices=sorted(MIXES), default="default",
                    help="category weights and openers: default 40/30/30 chat/math/code; human 50/25/25 with "
                         "conversational chat openers")

@@ -21,13 +21,15 @@ from spd_fast.train.data import load_prompts, self_distill
 
 
 def main() -> None:
+    from spd_fast.cli_common import positive_thread_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--pool", type=int, default=2000)
     p.add_argument("--keep", type=int, default=1120)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--exclude", action="append", default=[],
                    help="a self-distillation jsonl whose prompt ids are left out (repeatable)")
     a = p.parse_args()

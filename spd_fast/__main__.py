@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(argv: list[str]) -> int:
     from .train.__main__ import main as train_main
 
-    return train_main(argv)
+    return train_main(argv, help_command="spd-fast train")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return distributed_main(argv[1:])
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the subcommand, whose --help lists its options (the top level's does not)
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         try:
             return args.func(args)
         except SpdConfigError as e:

@@ -8,9 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_common import (add_model_options, apply_runtime_options, check_output, float_list, int_list, load_engine,
-                         positive_int)
-from .evaluate import CATEGORIES, add_spd_metrics
+from .cli_common import (_int_at_least, add_model_options, apply_runtime_options, check_output, float_list, int_list,
+                         load_engine, positive_int, write_output)
+from .evaluate import CATEGORIES, add_spd_metrics, kernel_backend
+
+# the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
+decode_tokens = _int_at_least(2, "an integer >= 2 (the first token comes from the prefill, the rest are decoded)")
 
 
 def add_parsers(sub: Any) -> None:
@@ -21,7 +24,8 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--prompts", type=positive_int, default=1,
                    help="held-out prompts per category (chat, math, code; default: 1)")
     b.add_argument("--prompt", action="append", default=[], help="use this user message instead (repeatable)")
-    b.add_argument("--max-new-tokens", type=positive_int, default=32)
+    b.add_argument("--max-new-tokens", type=decode_tokens, default=32)
+    b.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     b.add_argument("--repeats", type=positive_int, default=1, help="decode each prompt this many times")
     b.add_argument("--temperature", type=float, default=0.0)
     add_model_options(b)
@@ -35,7 +39,8 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--num-stages", "-n", type=int_list, default=[3], help="comma-separated n (default: 3)")
     e.add_argument("--temperatures", type=float_list, default=[0.0], help="comma-separated (default: 0)")
     e.add_argument("--limit", type=positive_int, default=40, help="prompts per category (default: 40)")
-    e.add_argument("--max-new-tokens", type=positive_int, default=96)
+    e.add_argument("--max-new-tokens", type=decode_tokens, default=96)
+    e.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
                    help=f"comma-separated subset of {','.join(CATEGORIES)}")
     e.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
@@ -78,6 +83,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
             for m in args.num_stages:
                 validate_num_stages(eng.target.cfg.num_layers, m)
         sources.append(eng.draft_source)
+        fingerprint = eng.target.fingerprint
         eng.generate(prompts[0], max_new_tokens=4, method="spd")  # warm-up: first-call allocations
         if i == 0:
             eng.generate(prompts[0], max_new_tokens=4, method="ar")
@@ -112,21 +118,15 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     import torch
 
     from .runtime import cpu_name
+    from .store import DEFAULT_MODEL_NAME
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
             "dtype": args.dtype, "prompts": len(prompts), "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": _kernel_backend()}
+            "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": kernel_backend(),
+            "model": args.model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "placement": args.placement,
+            "lookup": args.lookup, "max_len": args.max_len}
     return {"meta": meta, "rows": rows}
-
-
-def _kernel_backend() -> str:
-    try:
-        from . import kernels
-
-        return kernels.get_backend()
-    except (ImportError, AttributeError):
-        return "torch"
 
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
@@ -146,9 +146,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     check_output(args.out, "--out")
     apply_runtime_options(args)
     res = run_bench(args, quiet=args.json)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2))
     if args.json:
         print(json.dumps(res))
     else:
@@ -156,6 +153,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         print(f"{m['prompts']} prompts x {m['repeats']}, {m['max_new_tokens']} new tokens, T={m['temperature']}, "
               f"{m['threads']} threads, {m['dtype']} on {m['device']}, kernels {m['kernels']}, draft {m['draft']}\n")
         print(bench_table(res["rows"]))
+    if args.out:  # after the results are shown: a file that cannot be written loses nothing
+        write_output(Path(args.out), json.dumps(res, indent=2))
     if any(r.get("identical_to_ar") is False for r in res["rows"]):  # with --json too: scripts read the status
         print("spd-fast: warning: greedy SPD output differs from AR; this is a bug, please report it",
               file=sys.stderr)
@@ -181,14 +180,16 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
                               cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
                               device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup,
-                              placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None)
-    if args.out:
-        js, md = write_results(res, args.out)
-        if not args.json:
-            print(f"wrote {js} and {md}", file=sys.stderr)
+                              placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None,
+                              max_len=args.max_len,
+                              on_warning=lambda m: args.json or print(f"spd-fast: warning: {m}", file=sys.stderr))
     if args.json:
         print(json.dumps(res))
     else:
         print(f"draft {res['meta']['draft']}, {args.limit} prompts per category, {args.max_new_tokens} new tokens\n")
         print(markdown_table(res["rows"]))
+    if args.out:  # after the results are shown: a file that cannot be written loses nothing
+        js, md = write_results(res, args.out)
+        if not args.json:
+            print(f"wrote {js} and {md}", file=sys.stderr)
     return 0

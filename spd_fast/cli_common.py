@@ -32,8 +32,12 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other error of the CLIs: the problem and where the
     options are listed (argparse's default prints the whole usage block first). Subparsers inherit it."""
 
+    def __init__(self, *args: Any, help_command: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.help_command = help_command  # how a user runs this parser's --help, where prog is not a command
+
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.help_command or self.prog} --help`)\n")
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
@@ -52,6 +56,20 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+MAX_THREADS = 4096
+
+
+def _threads(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = _int_at_least(low, f"a thread count from {low} to {MAX_THREADS}")(text)
+        if v > MAX_THREADS:
+            raise argparse.ArgumentTypeError(f"expected a thread count from {low} to {MAX_THREADS}, got {v}")
+        return v
+    return parse
+
+
+thread_count = _threads(0)            # --threads where 0 means torch's choice
+positive_thread_count = _threads(1)   # --threads of the scripts that always set it
 
 
 def _list_of(conv: Callable[[str], Any], example: str) -> Callable[[str], list]:
@@ -98,7 +116,16 @@ _CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
               ("--anchors", re.compile(r"\bomit anchors\b"), "omit --anchors"),
               ("--draft-layers", re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
               ("--max-new-tokens", re.compile(r"\blower max_new_tokens\b"), "lower --max-new-tokens"),
-              ("--model", re.compile(r"\bmodel=<its model>"), "--model <its model>")]
+              ("--model", re.compile(r"\bmodel=<its model>"), "--model <its model>"),
+              ("-n", re.compile(r"\buse 1 <= num_stages <= (\d+)"), r"use -n from 1 to \1"),
+              ("--device", re.compile(r"\buse device='([^']+)'"), r"use --device \1"),
+              ("--placement", re.compile(r"\buse placement='sequential' \(the default\)"),
+               "use --placement local (the default)"),
+              ("--temperature", re.compile(r"\buse temperature=0 for greedy"), "use --temperature 0 for greedy"),
+              ("--temperatures", re.compile(r"\buse temperature=0 for greedy"), "use --temperatures 0 for greedy"),
+              ("--kernels", re.compile(r"\buse backend='(\w+)'"), r"use --kernels \1"),
+              ("--prompts", re.compile(r"\buse a limit of at most (\d+)"), r"use --prompts \1 or fewer"),
+              ("--limit", re.compile(r"\buse a limit of at most (\d+)"), r"use --limit \1 or fewer")]
 
 
 def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, command: str | None = None) -> str:
@@ -115,10 +142,18 @@ def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, com
     return text
 
 
+def result_paths(out: str | Path) -> tuple[Path, Path]:
+    """The <out>.json and <out>.md an evaluation writes: a .json or .md suffix on `out` is replaced, any other
+    dot stays part of the name (`--out n3_t0.7` writes n3_t0.7.json)."""
+    out = Path(out)
+    stem = out.with_suffix("") if out.suffix in (".json", ".md") else out
+    return stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+
+
 def check_output(path: str | None, option: str, stem: bool = False) -> None:
     """Refuse an output path that cannot be written before the run whose results it would hold: an
-    existing directory, a path under a file, or a folder that cannot be made. `stem`: the path is a
-    stem that gets .json/.md suffixes (eval)."""
+    existing directory, a file this user cannot write, a path under a file, or a folder that cannot be
+    made. `stem`: the path is a stem that gets .json/.md suffixes (eval)."""
     from .config import SpdConfigError
 
     if not path:
@@ -129,6 +164,11 @@ def check_output(path: str | None, option: str, stem: bool = False) -> None:
         example = f"{path.rstrip('/' + os.sep)}/{'acceptance' if stem else 'results.json'}"
         raise SpdConfigError(f"{option} {path} is a directory; name a file{' stem' if stem else ''} in it, "
                              f"e.g. {example}")
+    for f in result_paths(p) if stem else (p,):
+        if f.is_dir():
+            raise SpdConfigError(f"{option} {path}: {f} is a directory; choose another {option}")
+        if f.exists() and not os.access(f, os.W_OK):
+            raise SpdConfigError(f"{option} {path}: {f} exists and is not writable; choose another {option}")
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -149,7 +189,7 @@ def add_model_options(p: argparse.ArgumentParser, draft_help: str | None = None)
                    "for this model and n, else a random head with a warning)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
-    p.add_argument("--threads", type=non_negative_int, default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (default 0: torch's choice)")
     p.add_argument("--placement", default="local", choices=["local", "sequential", "streams", "devices"],
                    help="executor: local/sequential (default, CPU or GPU), streams (one GPU, a CUDA stream per "
@@ -186,6 +226,25 @@ def apply_runtime_options(args: argparse.Namespace) -> None:
             kernels.resolve(args.kernels, parse_device(args.device))
 
 
+def write_output(path: Path, text: str, option: str = "--out") -> None:
+    """Write a result file; a failure (the disk filled up, the path changed since the check) is one line."""
+    from .config import SpdConfigError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        raise SpdConfigError(f"{option}: cannot write {path} ({e.strerror or e}); the results are printed above, "
+                             f"choose another {option} to keep them in a file") from None
+
+
+def print_warnings(caught: list) -> None:
+    """spd_fast's own warnings (e.g. 'no shipped head') as one stderr line each; library chatter is dropped."""
+    for w in caught:
+        if str(Path(w.filename).resolve()).startswith(_PKG):
+            print(f"spd-fast: warning: {w.message}", file=sys.stderr)
+
+
 def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:
     """spd_fast.load with the common options; warnings (e.g. 'no shipped head') go to stderr as one
     line each unless quiet."""
@@ -200,7 +259,5 @@ def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, d
                             cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                             lookup=getattr(args, "lookup", DEFAULT_LOOKUP))
     if not quiet:
-        for w in caught:  # ours only: library deprecation chatter is not the user's business here
-            if str(Path(w.filename).resolve()).startswith(_PKG):
-                print(f"spd-fast: warning: {w.message}", file=sys.stderr)
+        print_warnings(caught)
     return eng

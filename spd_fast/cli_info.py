@@ -83,7 +83,11 @@ def _models() -> dict[str, Any]:
     if models.is_dir():
         for d in sorted(models.iterdir()):
             if (d / "spd_fast_converted.json").is_file():
-                src = json.loads((d / "spd_fast_converted.json").read_text()).get("source", "?")
+                try:  # a marker damaged by hand or by a full disk: listed, not fatal
+                    marker = json.loads((d / "spd_fast_converted.json").read_text())
+                    src = marker.get("source", "?") if isinstance(marker, dict) else "unreadable marker"
+                except (OSError, ValueError):
+                    src = "unreadable marker"
                 cached.append({"path": str(d), "source": src, "size_mib": round(_dir_mib(d), 1)})
     return {"default_model": DEFAULT_MODEL_NAME, "default_gguf": default, "cache_root": str(root),
             "cached_models": cached}

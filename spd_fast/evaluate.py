@@ -17,6 +17,9 @@ import torch
 
 from .config import DEFAULT_LOOKUP, SpdConfigError, validate_num_stages
 from .progress import bar
+from .store import DEFAULT_MODEL_NAME
+
+_PKG = str(Path(__file__).resolve().parent)
 
 CATEGORIES = ("chat", "math", "code")
 _SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok", "answers", "new_tok", "rep", "rep_of")
@@ -142,7 +145,8 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                         categories: Sequence[str] = CATEGORIES, with_ar: bool = True, model: str | None = None,
                         dtype: str = "float32", device: str = "cpu", progress: bool = True,
                         on_row: Any = None, seed: int = 0, lookup: int = DEFAULT_LOOKUP, placement: str = "local",
-                        cuda_graphs: bool | None = None) -> dict[str, Any]:
+                        cuda_graphs: bool | None = None, max_len: int = 2048,
+                        on_warning: Any = None) -> dict[str, Any]:
     """Run the evaluation; return {"meta": {...}, "rows": [...]} (one row per n, temperature, category
     and an "overall" row). AR runs once per prompt, with the first n (it does not depend on n); every
     n's rows get its tokens/s and the SPD/AR ratio, and greedy SPD is checked against it at every n.
@@ -150,24 +154,38 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     few seeds tell a real difference between two heads from sampling noise. lookup: the drafter's
     context lookup (spd_fast.load); 0 measures the PDM alone. placement / cuda_graphs: the executor, as in
     spd_fast.load (acceptance does not depend on it; the SPD tokens/s do).
+    max_len: the KV cache length (prompt + max_new_tokens + n + 1 must fit). on_warning(text): where spd_fast's own
+    warnings at load go (e.g. "no shipped draft head ... random head"); default: re-issued with `warnings.warn`.
     Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
     import spd_fast
 
     if not num_stages:
         raise SpdConfigError("give at least one number of stages, e.g. num_stages=(3,)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 2:
+        raise SpdConfigError(f"max_new_tokens must be an integer >= 2 to measure acceptance (the first token comes "
+                             f"from the prefill, before any draft is verified), got {max_new_tokens!r}")
     prompts = load_eval_prompts(categories, limit)
     rows: list[dict[str, Any]] = []
     sources = []
     ar_runs: dict[tuple[float, str, int], tuple[list[int], float, int]] = {}  # (temp, cat, i) -> AR result
     for k, n in enumerate(num_stages):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
-                                progress=progress, lookup=lookup, placement=placement, cuda_graphs=cuda_graphs)
+                                progress=progress, lookup=lookup, placement=placement, cuda_graphs=cuda_graphs,
+                                max_len=max_len)
+        for w in caught:  # ours only (e.g. a random head): library chatter is not the reader's business
+            if not str(Path(w.filename).resolve()).startswith(_PKG):
+                continue
+            if on_warning is not None:
+                on_warning(str(w.message))
+            else:
+                warnings.warn(w.message, stacklevel=2)
         if k == 0:  # every n against the model, before the first one's run
             for m in num_stages:
                 validate_num_stages(eng.target.cfg.num_layers, m)
         sources.append(eng.draft_source)
+        fingerprint = eng.target.fingerprint
         for temp in temperatures:
             per_cat, per_prompt = {}, {}
             for cat, ps in prompts.items():
@@ -204,7 +222,9 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
-            "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup}
+            "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
+            "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": str(dtype),
+            "device": str(device), "placement": placement, "kernels": kernel_backend(), "max_len": max_len}
     return {"meta": meta, "rows": rows}
 
 
@@ -225,13 +245,24 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_results(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
-    """Write <out>.json and <out>.md (a suffix on `out` is replaced); return both paths."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    js, md = out.with_suffix(".json"), out.with_suffix(".md")
-    js.write_text(json.dumps(result, indent=2))
-    md.write_text(f"draft: {result['meta']['draft']}; {result['meta']}\n\n" + markdown_table(result["rows"]) + "\n")
+    """Write <out>.json and <out>.md (a .json or .md suffix on `out` is replaced, other dots are kept:
+    `cli_common.result_paths`); return both paths. A file that cannot be written raises SpdConfigError."""
+    from .cli_common import result_paths, write_output
+
+    js, md = result_paths(out)
+    write_output(js, json.dumps(result, indent=2))
+    write_output(md, f"draft: {result['meta']['draft']}; {result['meta']}\n\n" + markdown_table(result["rows"]) + "\n")
     return js, md
+
+
+def kernel_backend() -> str:
+    """The fused-op backend in use (spd_fast.kernels), "torch" where that module cannot load."""
+    try:
+        from . import kernels
+
+        return kernels.get_backend()
+    except (ImportError, AttributeError):
+        return "torch"
 
 
 # ---- where acceptance comes from ------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_eval_rows_pool_the_answers_counts(monkeypatch):
     counts = iter([(4, 2), (6, 6), (2, 0)] * 2)
 
     class Fake:
-        draft_source, target = "fake", SimpleNamespace(cfg=SimpleNamespace(num_layers=30))
+        draft_source, target = "fake", SimpleNamespace(cfg=SimpleNamespace(num_layers=30), fingerprint="f")
 
         def generate(self, msgs, max_new_tokens, temperature, seed, method):
             ids, (ver, acc) = next(answers), next(counts)
@@ -207,7 +207,84 @@ def test_eval_seed_changes_sampled_runs_only(capsys):
     assert a[2:] != c[2:]  # the sampled ones do
 
 
+def test_eval_shows_load_warnings_keeps_dots_in_out_and_records_its_setup(tmp_path, capsys):
+    """A random head (no shipped head at n=7) is said, not hidden; `--out x.7` writes x.7.json and x.7.md; meta names
+    the model, its weights and the executor, so two results of different models are never paired."""
+    out = tmp_path / "n7_t0.7"
+    rc, _, err = run_cli(["eval", "-n", "7", "--limit", "1", "--categories", "chat", "--max-new-tokens", "2",
+                          "--no-ar", "--max-len", "512", "--threads", "1", "--out", str(out)], capsys)
+    assert rc == 0, err
+    assert "spd-fast: warning: no shipped draft head" in err and "random" in err, err
+    meta = json.loads((tmp_path / "n7_t0.7.json").read_text())["meta"]
+    assert (tmp_path / "n7_t0.7.md").is_file() and not (tmp_path / "n7_t0.json").exists()
+    assert meta["model"] == "SmolLM2-135M-Instruct" and len(meta["model_fingerprint"]) >= 8
+    assert (meta["max_len"], meta["placement"], meta["dtype"], meta["device"]) == (512, "local", "float32", "cpu")
+    assert meta["kernels"] in ("torch", "cpp", "triton", "auto")
+
+
+def test_result_paths_and_unwritable_outputs(tmp_path, capsys):
+    from spd_fast.cli_common import check_output, result_paths
+    from spd_fast.evaluate import write_results
+
+    assert result_paths("a/n3_t0.7") == (Path("a/n3_t0.7.json"), Path("a/n3_t0.7.md"))
+    assert result_paths("a/x.json") == result_paths("a/x.md") == (Path("a/x.json"), Path("a/x.md"))
+    (tmp_path / "d.json").mkdir()  # <stem>.json is a directory: refused before the run, by bench and eval
+    for argv in (["eval", "--limit", "1", "--out", str(tmp_path / "d")], ["bench", "--out", str(tmp_path / "d.json")]):
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 2 and "d.json is a directory" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SpdConfigError, match=r"--out .* is a directory"):
+        check_output(str(tmp_path / "d.md"), "--out", stem=True)
+    (tmp_path / "f").write_text("x")  # a write that fails after the run: one line, not a traceback
+    res = {"meta": {"draft": "x"}, "rows": []}
+    with pytest.raises(SpdConfigError, match=r"--out: cannot write .*f/r.json .*the results are printed above"):
+        write_results(res, tmp_path / "f" / "r")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--max-new-tokens", "1"], "--max-new-tokens: expected an integer >= 2"),
+    (["eval", "--max-new-tokens", "1"], "--max-new-tokens: expected an integer >= 2"),
+    (["bench", "--threads", "99999999999"], "--threads: expected a thread count from 0 to 4096"),
+    (["generate", "hi", "--threads", "-1"], "--threads: expected a thread count from 0 to 4096"),
+    (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus (see `spd-fast generate --help`)"),
+    (["train", "--bogus"], "(see `spd-fast train --help`)"),
+])
+def test_bad_arguments_name_the_subcommand(argv, message, capsys):
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_api_spellings_become_flags():
+    from spd_fast.__main__ import build_parser
+    from spd_fast.cli_common import cli_message
+
+    p = build_parser()
+    for command, api, cli in [
+            ("generate", "use 1 <= num_stages <= 30", "use -n from 1 to 30"),
+            ("generate", "needs CUDA but this torch build has no GPU; use device='cpu'", "use --device cpu"),
+            ("generate", "use placement='sequential' (the default) on CPU", "use --placement local (the default) on CPU"),
+            ("generate", "use temperature=0 for greedy decoding", "use --temperature 0 for greedy decoding"),
+            ("eval", "use temperature=0 for greedy decoding", "use --temperatures 0 for greedy decoding"),
+            ("bench", "slowly; or use backend='cpp')", "slowly; or use --kernels cpp)"),
+            ("bench", "use a limit of at most 40", "use --prompts 40 or fewer"),
+            ("eval", "use a limit of at most 40", "use --limit 40 or fewer")]:
+        assert cli in cli_message(api, p, command), (command, api)
+    with pytest.raises(SpdConfigError) as e:  # the real messages, as the library raises them
+        from spd_fast.evaluate import load_eval_prompts
+        load_eval_prompts(("chat",), 41)
+    assert "use --limit 40 or fewer" in cli_message(e.value, p, "eval")
+
+
 # ---- info ----------------------------------------------------------------------------------------
+def test_info_lists_a_damaged_cache_marker(tmp_path, capsys, monkeypatch):
+    for name, text in (("bad", "{oops"), ("list", "[1]")):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "spd_fast_converted.json").write_text(text)
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path))
+    rc, out, err = run_cli(["info", "--json"], capsys)
+    assert rc == 0, err
+    assert sorted(m["source"] for m in json.loads(out)["cached_models"]) == ["unreadable marker"] * 2
+
+
 def test_info_text_and_json(capsys):
     rc, out, err = run_cli(["info"], capsys)
     assert rc == 0, err
@@ -335,9 +412,9 @@ def test_committed_self_distillation_data_is_readable():
                     "placement='streams' runs the stages on CUDA GPUs", id="streams-on-cpu")]
       if not __import__("torch").cuda.is_available() else []),
     pytest.param(["train"], "the following arguments are required: --out", id="train-no-out"),
-    pytest.param(["generate", "--user", "hi", "--threads", "-1"], "--threads: expected an integer >= 0, got -1",
+    pytest.param(["generate", "--user", "hi", "--threads", "-1"], "--threads: expected a thread count from 0 to 4096, got -1",
                  id="threads-negative"),
-    pytest.param(["bench", "--threads", "x"], "--threads: expected an integer >= 0, got 'x'", id="bench-threads"),
+    pytest.param(["bench", "--threads", "x"], "--threads: expected a thread count from 0 to 4096, got 'x'", id="bench-threads"),
     pytest.param(["generate", "--user", "hi", "--lookup", "-1"], "--lookup: expected an integer >= 0, got -1",
                  id="lookup-negative"),
     pytest.param(["generate", "--user", "hi", "--lookup", "65"], "lookup must be an integer from 0 to 64", id="lookup-big"),
@@ -388,8 +465,9 @@ def test_errors_name_command_line_flags(capsys):
     assert cli_message(msg, build_parser(), "bench") == \
         "omit anchors (a trained head brings its own) or use --draft random; no --draft for the shipped head"
     assert cli_message("omit anchors", distributed_parser()) == "omit --anchors"
-    # only the flags the command has: bench has no --max-len, the distributed CLI no -n
-    assert cli_message("load with a larger max_len", build_parser(), "bench") == "load with a larger max_len"
+    # only the flags the command has: info has no --max-len, the distributed CLI no -n
+    assert cli_message("load with a larger max_len", build_parser(), "info") == "load with a larger max_len"
+    assert cli_message("load with a larger max_len", build_parser(), "bench") == "load with a larger --max-len"
     assert cli_message("pass num_stages=3, or draft='random'", distributed_parser()) == "pass num_stages=3, or --draft random"
 
 
@@ -586,7 +664,7 @@ def test_compare_acceptance_script(tmp_path, capsys):
 
     c = {"acc": 0, "ver": 0, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
          "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
-    meta = {"limit": 2, "max_new_tokens": 8, "categories": ["math"], "seed": 0, "lookup": 3}
+    meta = {"limit": 2, "max_new_tokens": 8, "categories": ["math"], "seed": 0, "lookup": 3, "model_fingerprint": "fp"}
 
     def run(name, pp, **m):
         rows = [_row(3, 0.0, "math", len(pp), dict(c, ver=sum(v for v, _ in pp), acc=sum(k for _, k in pp)), pp)]
@@ -606,6 +684,11 @@ def test_compare_acceptance_script(tmp_path, capsys):
              (str(tmp_path / "missing.json"), "does not exist")]
     (tmp_path / "junk.json").write_text("[1, 2]")
     cases.append((str(tmp_path / "junk.json"), "is not an evaluation result"))
+    (tmp_path / "calib.json").write_text(json.dumps({"meta": {}, "rows": 3}))  # another tool's result
+    cases.append((str(tmp_path / "calib.json"), "is not an evaluation result"))
+    (tmp_path / "rowless.json").write_text(json.dumps({"meta": {}, "rows": [{"category": "math"}]}))
+    cases.append((str(tmp_path / "rowless.json"), "is not an evaluation result"))
+    cases.append((run("m", [(10, 3)] * 20, model_fingerprint="other"), "differ in model_fingerprint"))
     (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
                                                                            "category": "math"}]}))
     cases.append((str(tmp_path / "old.json"), "predates them"))

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
+def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.ArgumentParser:
+    from ..cli_common import thread_count, DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
 
     p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head). The last checkpoint "
                "is OUT/head and, with --val, the best on validation OUT/best_head: pass either as `draft`.",
-               formatter_class=DefaultsFormatter)
+               formatter_class=DefaultsFormatter, help_command=help_command)
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs; resumes from it)")
     p.add_argument("--num-stages", type=positive_int, default=None,
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between checkpoints (and validations with --val)")
     p.add_argument("--seed", type=int, default=0, help="seeds the head's initialisation, batch order and fill "
                    "augmentation")
-    p.add_argument("--threads", type=non_negative_int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=thread_count, default=0, help="CPU threads (0 = torch's default)")
     p.add_argument("--no-resume", action="store_true",
                    help="start over in --out instead of resuming the run saved there")
     p.add_argument("--init", default=None,
@@ -101,7 +101,7 @@ def bf16_cpu_warning(cpuinfo: str | None = None) -> str | None:
             "for both the teacher cache and training; drop --bf16 here")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.train") -> int:
     from ..cli_common import cli_message
     from ..config import SpdConfigError
     from ..runtime import load_target
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
     from .trainer import TrainConfig, drop_unlearnable, pack_batches, train
 
-    a = build_parser().parse_args(argv)
+    a = build_parser(help_command).parse_args(argv)
     rank, world = 0, 1
     try:
         from ..runtime import parse_device, parse_dtype

@@ -279,11 +279,11 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import Parser, check_output, cli_message, non_negative_int, positive_int
+    from ..cli_common import thread_count, Parser, check_output, cli_message, non_negative_int, positive_int
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = Parser(prog="spd_fast.train.calibrate", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter, help_command="python -m spd_fast.train.calibrate")
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.txt/.parquet); repeatable")
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate-ratios", type=_some_floats, default=list(DEFAULT_GATE_RATIOS))
     p.add_argument("--copy-boosts", type=_floats, default=list(DEFAULT_COPY_BOOSTS),
                    help="logit boosts of a copied token to try for sampled decoding (empty: keep one-hot copies)")
-    p.add_argument("--threads", type=non_negative_int, default=0)
+    p.add_argument("--threads", type=thread_count, default=0)
     p.add_argument("--write", action="store_true",
                    help="store the best scale (and lookup gate) in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")
