@@ -18,7 +18,7 @@ from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_
 from .drafters import PdmDrafter
 from .engine import SPDEngine
 from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
-from .runtime import Prompt, Target, load_target, parse_device, parse_dtype
+from .runtime import Prompt, Target, is_token_ids, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -215,7 +215,7 @@ def _check_method(method: str) -> None:
 
 def _check_single(prompt: Any) -> None:
     if not _as_batch(prompt)[1]:
-        raise SpdConfigError("stream() takes one prompt (a str or a list of chat messages); "
+        raise SpdConfigError("stream() takes one prompt (a str, a list of chat messages or a list of token ids); "
                              "use generate() for a list of prompts")
 
 
@@ -224,13 +224,16 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
         return [prompt], True
     if isinstance(prompt, (list, tuple)):
         if not prompt:
-            raise SpdConfigError("the prompt is empty; pass a string, a list of chat messages or a list of prompts")
-        if all(isinstance(m, dict) for m in prompt):
+            raise SpdConfigError("the prompt is empty; pass a string, a list of chat messages, a list of token ids "
+                                 "or a list of prompts")
+        if all(isinstance(m, dict) for m in prompt) or is_token_ids(prompt):
             return [prompt], True
         if all(isinstance(p, (str, list, tuple)) for p in prompt):
             return list(prompt), False
     raise SpdConfigError(
-        f"prompt must be a str, a list of {{'role', 'content'}} dicts, or a list of those; got {type(prompt).__name__}")
+        f"prompt must be a str, a list of {{'role', 'content'}} dicts, a list of token ids, or a list of those; got "
+        f"{type(prompt).__name__}" + (" mixing token ids with other items" if isinstance(prompt, (list, tuple))
+                                       and any(isinstance(t, numbers.Integral) for t in prompt) else ""))
 
 
 _EXAMPLE_SPLIT = [0, 10, 20, 30]  # for messages before the model is loaded: the embedded model at n=3
@@ -299,7 +302,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         found = shipped_head(target, num_stages)
         if found is None:
             warnings.warn(f"no shipped draft head for this model at num_stages={num_stages}; using a random head "
-                          "(output is still exact, but few drafts will be accepted)", stacklevel=2)
+                          "(output is still exact, but few drafts will be accepted)", RandomHeadWarning, stacklevel=2)
             draft = "random"
         else:
             draft, source = found, f"shipped:{found.name}"
@@ -323,6 +326,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
 
 
 _ENGINES: dict[tuple, Engine] = {}
+_DEFERRED: dict[tuple, list] = {}  # a cached engine's RandomHeadWarning, held back while it only runs AR
+
+
+class RandomHeadWarning(UserWarning):
+    """load() found no shipped draft head for this model and n and drafts with a random head (exact, but slow)."""
 
 
 def _default_num_stages(num_stages: int | None, draft: Any, placement: str | None,
@@ -339,13 +347,39 @@ def _default_num_stages(num_stages: int | None, draft: Any, placement: str | Non
     return None
 
 
-def _cached_engine(**kw: Any) -> Engine:
+def _cache_key(kw: dict[str, Any]) -> tuple:
+    """The settings that make an engine, each in one spelling ("fp32" and torch.float32, "sequential" and
+    "local", a relative and an absolute model path), so equivalent calls share the cached engine."""
+    norm = dict(kw)
+    norm["dtype"] = parse_dtype(kw["dtype"])
+    norm["device"] = parse_device(kw["device"])
+    norm["placement"] = "local" if kw["placement"] == "sequential" else kw["placement"]
+    for k in ("model", "draft"):
+        v = kw.get(k)
+        if isinstance(v, (str, os.PathLike)) and str(v) not in ("", "random") and Path(v).expanduser().exists():
+            norm[k] = Path(v).expanduser().resolve()
+    return tuple(sorted((k, str(v)) for k, v in norm.items()))
+
+
+def _cached_engine(method: str = "spd", **kw: Any) -> Engine:
+    """One engine per set of settings, the last one kept. A RandomHeadWarning is held back while the engine
+    only runs method="ar", which never drafts, and given at its first SPD call."""
     # the n load() would pick, so num_stages=None and its explicit value share one engine
     kw["num_stages"] = _default_num_stages(kw.get("num_stages"), kw.get("draft"), kw.get("placement"))
-    key = tuple(sorted((k, str(v)) for k, v in kw.items()))
+    key = _cache_key(kw)
     if key not in _ENGINES:
         _ENGINES.clear()  # keep one model in memory
-        _ENGINES[key] = load(**kw)
+        _DEFERRED.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _ENGINES[key] = load(**kw)
+        _DEFERRED[key] = [w for w in caught if issubclass(w.category, RandomHeadWarning)]
+        for w in caught:
+            if not issubclass(w.category, RandomHeadWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if method != "ar":
+        for w in _DEFERRED.pop(key, []):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return _ENGINES[key]
 
 
@@ -353,17 +387,19 @@ def _cached_engine(**kw: Any) -> Engine:
 def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
-             dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP
-             ) -> GenerationOutput | list[GenerationOutput] | None:
+             dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP,
+             device: str = "cpu") -> GenerationOutput | list[GenerationOutput] | None:
     """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
+    prompt: a str (raw text), a list of {"role", "content"} messages (chat template), a list of token ids, or a
+    list of such prompts (one output each). The engine is loaded once per set of settings (see load()).
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _as_batch(prompt)
     check_lookup(lookup)
-    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
-                         placement=placement, lookup=lookup)
+    eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
+                         placement=placement, lookup=lookup, device=device)
     return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
 
 
@@ -371,12 +407,18 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
-           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP) -> Iterator[str]:
+           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local"
+           ) -> Iterator[str]:
+    """Yield the verified text of one prompt as it is committed; the settings and the cached engine are
+    generate()'s (placement="distributed" does not stream)."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _check_single(prompt)
     check_lookup(lookup)
-    eng = _cached_engine(model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
-                         placement="local", lookup=lookup)  # the key generate() uses for the same engine
+    if placement == "distributed":
+        raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole "
+                             "output on rank 0, or another placement for stream()")
+    eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
+                         placement=placement, lookup=lookup, device=device)  # the key generate() uses
     return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)

@@ -49,7 +49,9 @@ def _prompt(args: argparse.Namespace) -> Any:
 
 def summary_line(m: dict[str, float], method: str, num_stages: int, draft: str) -> str:
     line = f"-- {int(m['new_tokens'])} tokens, {m['tokens_per_second']:.1f} tok/s decode"
-    if method == "spd":
+    if method == "spd" and not m["verifications"]:  # the answer ended before any draft was verified
+        line += f", no draft verified (n={num_stages}, draft {draft})"
+    elif method == "spd":
         line += (f", acceptance {m['acceptance_rate']:.2f}, tokens/cycle {m['tokens_per_cycle']:.2f}, "
                  f"equivalent accept length {m['equivalent_accept_length']:.2f} (n={num_stages}, draft {draft})")
     else:

@@ -105,10 +105,18 @@ def gguf_config(reader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _stop_ids(reader),
         "torch_dtype": "float32",
     }
     return cfg
+
+
+def _stop_ids(reader) -> int | list[int] | None:
+    """The GGUF's end-of-sequence id, plus its end-of-turn and end-of-message ids where it names others (a
+    Llama-3 instruct GGUF: <|eot_id|>, <|eom_id|>): generation stops at any of them, as in llama.cpp."""
+    ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

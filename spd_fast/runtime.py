@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from .store import resolve_model_dir
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
-Prompt = str | Sequence[dict[str, str]]
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]  # text, chat messages, or token ids
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")  # roles chat templates know
 _DEVICE_HINT = "use 'cpu', 'cuda' or 'cuda:<index>'"
 
@@ -67,6 +68,9 @@ class Target:
     def encode(self, prompt: Prompt) -> list[int]:
         from .ar import check_prompt_ids
 
+        if is_token_ids(prompt):  # already tokenized (e.g. by the caller's own chat formatting)
+            check_prompt_ids(prompt, self.cfg.vocab_size)
+            return [int(t) for t in prompt]
         ids = encode_prompt(self.tokenizer, prompt)
         check_prompt_ids(ids, self.cfg.vocab_size, fix=f"the tokenizer in {self.path} does not match the model "
                          f"(vocab_size={self.cfg.vocab_size}); put the model's own tokenizer files there")
@@ -152,11 +156,30 @@ def chat_ids(tokenizer: Any, messages: list, add_generation_prompt: bool = True)
     return [int(i) for i in ids]
 
 
+def is_token_ids(prompt: Any) -> bool:
+    """A prompt given as token ids: a non-empty list or tuple of integers (Python or numpy ints, not bools)."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt))
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone surrogate, which is what Python makes of bytes that were not
+    UTF-8 (a Latin-1 command line, a truncated emoji in JSON); the tokenizer would fail with an obscure TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpdConfigError(f"{what} is not valid Unicode text: {e.object[e.start:e.end]!r} at character {e.start} "
+                             f"is a lone surrogate (bytes that were not UTF-8, e.g. a Latin-1 terminal or a cut "
+                             f"emoji); pass UTF-8 text") from None
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A str is raw text; a list of {"role", "content"} dicts goes through the chat template."""
+    """A str is raw text; a list of {"role", "content"} dicts goes through the chat template. (A list of token
+    ids is taken as it is by `Target.encode`.)"""
     if isinstance(prompt, str):
         if not prompt:
             raise SpdConfigError("the prompt is empty; pass a non-empty string or a list of chat messages")
+        check_text(prompt, "the prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
         if not prompt:
@@ -167,6 +190,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
             if m["role"] not in CHAT_ROLES:
                 raise SpdConfigError(f"chat message {m!r} has role {m['role']!r}; use one of "
                                      + ", ".join(repr(r) for r in CHAT_ROLES))
+            check_text(m["content"], f"the content of the {m['role']} message")
         if getattr(tokenizer, "chat_template", None) is None:
             raise SpdConfigError("this model's tokenizer has no chat template; pass the prompt as a plain string")
         try:
@@ -176,7 +200,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
                                  f"change the messages to the order and roles it accepts, or pass a plain string") from e
     else:
         raise SpdConfigError(
-            f"prompt must be a str or a list of {{'role', 'content'}} dicts, got {type(prompt).__name__}")
+            f"prompt must be a str, a list of {{'role', 'content'}} dicts or a list of token ids, got "
+            f"{type(prompt).__name__}")
     if not ids:
         raise SpdConfigError("the prompt encodes to zero tokens; pass a non-empty prompt")
     return [int(i) for i in ids]

@@ -5,6 +5,7 @@ so SPD's rejection sampling is exact with respect to the user's own parameters.
 """
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -24,8 +25,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t >= 0) or t == float("inf"):
+        try:  # an int too large for a float (10**400) overflows here, not in the first division by it
+            finite = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(float(t))
+        except OverflowError:
+            finite = False
+        if not finite or not (t >= 0):
             raise SpdConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        object.__setattr__(self, "temperature", t := float(t))  # an int (1 or 10**30) divides logits as a float
         if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow to inf and the probabilities to NaN
             raise SpdConfigError(f"temperature {t!r} is too small to sample with; use temperature=0 for greedy "
                                  f"decoding or a value >= {MIN_TEMPERATURE}")

