@@ -5,6 +5,7 @@ import functools
 import inspect
 import numbers
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .ar import ArDecoder, check_capacity, check_max_new_tokens
+from .ar import ArDecoder, check_capacity, check_eos_ids, check_max_new_tokens
 from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, check_seed, check_stage_count,
                      uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
@@ -97,8 +98,8 @@ class Engine:
             self.graphed_ar = GraphedAR(target.model, cuda_graphs if placement == "streams" else False)
 
     # -- one prompt -------------------------------------------------------------------------------
-    def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
-                ) -> Iterator[int]:
+    def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
+                eos: tuple[int, ...]) -> Iterator[int]:
         """The decode of one prompt, refusing to go on once another generation has reused the caches: the
         model has one KV cache (and the engine one PDM cache), so an open stream() whose consumer meanwhile
         ran another generate() or stream() on this engine, or on another Engine built on the same loaded
@@ -108,7 +109,7 @@ class Engine:
         self._own_caches()  # another user of the model may have resized them since the call's capacity check
         model.generations += 1
         mine = model.generations
-        for t in self._decode(prompt_ids, max_new_tokens, params, method):
+        for t in self._decode(prompt_ids, max_new_tokens, params, method, eos):
             yield t
             if model.generations != mine:
                 raise SpdConfigError(
@@ -118,8 +119,8 @@ class Engine:
                     "second engine with spd_fast.load() for the other")
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
-    def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str
-                ) -> Iterator[int]:
+    def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
+                eos: tuple[int, ...]) -> Iterator[int]:
         # the GPU placements keep one generator, reseeded per call, so their CUDA graphs (which register it)
         # are not captured again for every sampled call
         graphed = self.pipelined is not None or self.graphed_ar is not None
@@ -129,9 +130,9 @@ class Engine:
         if method == "ar":
             if self.graphed_ar is not None:  # the strong baseline of the GPU placements
                 dec = self.graphed_ar
-                yield from dec.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+                yield from dec.generate(prompt_ids, max_new_tokens, params, eos, gen)
             else:
-                dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+                dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, eos, gen)
                 yield from dec
             res = dec.result
             self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
@@ -141,23 +142,25 @@ class Engine:
         if self.spd is None:
             raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
         runner = self.pipelined if self.pipelined is not None else self.spd
-        yield from runner.generate(prompt_ids, max_new_tokens, params, self.target.eos_ids, gen)
+        yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen)
         self._last = (runner.last_finished_by_eos, dict(runner.last_metrics))
 
     @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd"
-                 ) -> GenerationOutput | list[GenerationOutput]:
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
+                 eos_ids: Sequence[int] = ()) -> GenerationOutput | list[GenerationOutput]:
+        """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id)."""
         prompts, single = _as_batch(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
+        eos = self._eos(eos_ids)
         encoded = [self.target.encode(p) for p in prompts]  # a bad prompt fails before any decoding
         for ids in encoded:
             self._check_fits(ids, max_new_tokens, method)
         outs = []
         for ids in encoded:
-            toks = list(self._tokens(ids, max_new_tokens, params, method))
+            toks = list(self._tokens(ids, max_new_tokens, params, method, eos))
             finished, metrics = self._last
             metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0
             outs.append(GenerationOutput(self.target.decode(toks), toks, len(ids), finished, metrics))
@@ -165,16 +168,22 @@ class Engine:
 
     @_plain_numbers
     def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, method: str = "spd") -> Iterator[str]:
+               top_p: float = 1.0, seed: int | None = None, method: str = "spd", eos_ids: Sequence[int] = ()
+               ) -> Iterator[str]:
         """Yield verified text as it is committed (held back while a multi-byte character is incomplete).
         Bad arguments raise here, before the first chunk is asked for."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
+        eos = self._eos(eos_ids)
         _check_single(prompt)
         ids = self.target.encode(prompt)
         self._check_fits(ids, max_new_tokens, method)
-        return self._stream(ids, max_new_tokens, params, method)
+        return self._stream(ids, max_new_tokens, params, method, eos)
+
+    def _eos(self, eos_ids: Sequence[int]) -> tuple[int, ...]:
+        """The model's own stop tokens plus the caller's (checked: an id the model cannot produce never stops)."""
+        return tuple(dict.fromkeys(self.target.eos_ids + check_eos_ids(eos_ids, self.target.cfg.vocab_size)))
 
     def _own_caches(self) -> None:
         """Give the model back the KV cache this engine was built with: another Engine on the same loaded target,
@@ -191,10 +200,11 @@ class Engine:
             extra = self.graphed_ar.lag + 2 if self.graphed_ar is not None else 0
         check_capacity(self.target.model, len(ids), max_new_tokens, extra)
 
-    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str) -> Iterator[str]:
+    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
+                eos: tuple[int, ...]) -> Iterator[str]:
         toks: list[int] = []
         shown = ""
-        for t in self._tokens(ids, max_new_tokens, params, method):
+        for t in self._tokens(ids, max_new_tokens, params, method, eos):
             toks.append(t)
             text = self.target.decode(toks)
             if text.endswith("\ufffd"):
@@ -388,27 +398,29 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
              dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP,
-             device: str = "cpu") -> GenerationOutput | list[GenerationOutput] | None:
+             device: str = "cpu", eos_ids: Sequence[int] = ()) -> GenerationOutput | list[GenerationOutput] | None:
     """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
     prompt: a str (raw text), a list of {"role", "content"} messages (chat template), a list of token ids, or a
-    list of such prompts (one output each). The engine is loaded once per set of settings (see load()).
+    list of such prompts (one output each). eos_ids: stop tokens besides the model's own. The engine is loaded
+    once per set of settings (see load()).
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _as_batch(prompt)
     check_lookup(lookup)
+    check_eos_ids(eos_ids, sys.maxsize)  # the form now, the range once the model is known
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)
-    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
+    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids)
 
 
 @_plain_numbers
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
-           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local"
-           ) -> Iterator[str]:
+           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local",
+           eos_ids: Sequence[int] = ()) -> Iterator[str]:
     """Yield the verified text of one prompt as it is committed; the settings and the cached engine are
     generate()'s (placement="distributed" does not stream)."""
     _check_method(method)
@@ -416,9 +428,10 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
     check_max_new_tokens(max_new_tokens)
     _check_single(prompt)
     check_lookup(lookup)
+    check_eos_ids(eos_ids, sys.maxsize)
     if placement == "distributed":
         raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole "
                              "output on rank 0, or another placement for stream()")
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)  # the key generate() uses
-    return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method)
+    return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids)

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from .cli_common import add_model_options, apply_runtime_options, load_engine, positive_int
+from .cli_common import add_model_options, apply_runtime_options, load_engine, non_negative_int, positive_int
 
 
 def add_parser(sub: Any) -> None:
@@ -26,6 +26,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    g.add_argument("--eos-id", type=non_negative_int, action="append", default=[],
+                   help="an extra stop token id besides the model's own (repeatable)")
     add_model_options(g)
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, metrics) "
                    "instead of streaming")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     draft = "random" if args.method == "ar" and args.draft is None else None
     eng = load_engine(args, args.num_stages, quiet=args.json, draft=draft)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, method=args.method)
+              top_p=args.top_p, seed=args.seed, method=args.method, eos_ids=args.eos_id)
     if args.json:
         out = eng.generate(prompt, **kw)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": out.prompt_tokens,

@@ -253,6 +253,16 @@ def test_bad_arguments_name_the_subcommand(argv, message, capsys):
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_generate_extra_stop_token(capsys):
+    rc, out, err = run_cli(["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--json", "--threads", "1"], capsys)
+    full = json.loads(out)
+    stop = full["token_ids"][4]
+    rc, out, err = run_cli(["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--json", "--threads", "1",
+                            "--eos-id", str(stop)], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["finished_by_eos"] and d["token_ids"] == full["token_ids"][:full["token_ids"].index(stop) + 1]
+
+
 def test_api_spellings_become_flags():
     from spd_fast.__main__ import build_parser
     from spd_fast.cli_common import cli_message

@@ -617,6 +617,26 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     assert len(loads) == 2
 
 
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_extra_stop_tokens(default_target, method):
+    """eos_ids adds stop tokens (a chat format's end of turn): the output ends at the first one, marked finished."""
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 512, "random")
+    full = eng.generate("Count: 1, 2, 3,", 12, method=method)
+    stop = full.token_ids[4]
+    cut = full.token_ids[:full.token_ids.index(stop) + 1]
+    out = eng.generate("Count: 1, 2, 3,", 12, method=method, eos_ids=[stop])
+    assert out.token_ids == cut and out.finished_by_eos and not full.finished_by_eos
+    assert "".join(eng.stream("Count: 1, 2, 3,", 12, method=method, eos_ids=(stop,))) == default_target.decode(cut)
+    with pytest.raises(SpdConfigError, match=r"eos id 49152 is not a token id of this model \(integers 0..49151\)"):
+        eng.generate("Count:", 4, method=method, eos_ids=[49152])
+    with pytest.raises(SpdConfigError, match="eos_ids must be a list of token ids, got 5"):
+        spd_fast.generate("Count:", 4, method=method, eos_ids=5)  # refused before any model loads
+
+
 def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_of_a_random_head(monkeypatch):
     """"fp32" and torch.float32, "sequential" and "local", a relative and an absolute model path are one engine;
     a RandomHeadWarning is held back while only method="ar" (which never drafts) has run, then given once."""
