@@ -815,7 +815,7 @@ def test_training_cli_names_a_bad_device_and_time_budget(tmp_path, capsys):
                           ("--fill-aug", "5", "expected a number from 0 to 1, got '5'"),
                           ("--argmax-weight", "-3", "expected a finite number >= 0, got '-3'"),
                           ("--weight-decay", "-1", "expected a finite number >= 0, got '-1'"),
-                          ("--threads", "-1", "expected an integer >= 0, got -1")]:
+                          ("--threads", "-1", "expected a thread count from 0 to 4096, got -1")]:
         with pytest.raises(SystemExit) as e:
             main(["--out", str(tmp_path / "b"), opt, bad])
         err = capsys.readouterr().err

@@ -67,13 +67,19 @@ def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
     f = tmp_path / "chat.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3))
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--val", str(f), "--steps", "2",
-                        "--save-every", "2"), capsys)
+                        "--save-every", "2", "--draft-vocab", "49152"), capsys)
     assert rc == 0, err
     assert '"done": true' in err and (tmp_path / "o" / "best_head" / "val.json").is_file()
     from spd_fast.pdm import read_draft_config
 
-    dc = read_draft_config(tmp_path / "o" / "head")  # small(): n=3, a 64-token draft vocabulary
-    assert dc.num_stages == 3 and dc.draft_vocab_size == 64
+    dc = read_draft_config(tmp_path / "o" / "head")  # small(): n=3
+    assert dc.num_stages == 3 and dc.draft_vocab_size == 49152  # every row scored
+    # a 64-token draft vocabulary holds none of these answers' tokens: the validation scores no row, says so, and
+    # keeps no best head on that non-evidence
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o64", "--data", str(f), "--val", str(f), "--steps", "2",
+                        "--save-every", "2"), capsys)
+    assert rc == 0 and "validation scored no row" in err and "raise --draft-vocab" in err, err
+    assert not (tmp_path / "o64" / "best_head").exists()
 
 
 @pytest.mark.parametrize("name,content,message", [
@@ -173,11 +179,11 @@ def test_resume_refuses_another_head_and_a_fresh_start_drops_the_old_best(full_v
     data.write_text("".join(json.dumps({"text": f"Sample number {i} is here, and more."}) + "\n" for i in range(6)))
     out = tmp_path / "o"
     base = small(full_vocab_checkpoint, out, "--data", str(data), "--val", str(data), "--steps", "2",
-                 "--save-every", "2")
+                 "--save-every", "2", "--draft-vocab", "49152")  # every validation row scored: a best head
     assert run(base, capsys)[0] == 0
     for extra, what in [(["--anchors", "0,1,3,6"], "anchors [0, 2, 4, 6] vs [0, 1, 3, 6]"),
                         (["--draft-layers", "2"], "num_layers 1 vs 2"),
-                        (["--draft-vocab", "32"], "draft_vocab_size 64 vs 32")]:
+                        (["--draft-vocab", "32"], "draft_vocab_size 49152 vs 32")]:
         rc, err = run(base + extra, capsys)
         assert rc == 2 and f"holds a run of another head ({what}: saved vs asked)" in err, err
         assert "pass --no-resume (or another --out) to start over" in err
@@ -360,3 +366,158 @@ def test_help_shows_defaults(capsys):
                   "--steps STEPS optimizer steps (the LR schedule's length) (default: 1000)", "OUT/best_head"]:
         assert piece in flat, piece
     assert "(default: None)" not in flat and "(default: False)" not in flat
+
+
+def _varied_rows(path: Path, n: int, seed: int = 1) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat sat on a mat while dogs ran far away from home and birds sang songs in tall green trees".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+def test_a_resume_across_epochs_takes_the_batches_of_an_uninterrupted_run(full_vocab_checkpoint, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Each epoch packs its batches anew, so epochs differ in batch count: a resume must find its place from the
+    epochs' own counts (not the first epoch's count times the epoch), and --epochs must count them the same way."""
+    from spd_fast.train import trainer as T
+
+    data = _varied_rows(tmp_path / "d.jsonl", 80)
+
+    def args(out: str) -> list[str]:
+        return small(full_vocab_checkpoint, tmp_path / out, "--data", str(data), "--epochs", "4", "--save-every", "5")
+
+    seen: dict[str, list] = {}
+    orig, state = T.PdmTrainer.train_step, {"run": "", "stop_at": -1}
+
+    def record(self, batch, cached=None):
+        if self.step == state["stop_at"]:
+            raise KeyboardInterrupt
+        seen.setdefault(state["run"], []).append((self.step, batch[0].sum().item(), tuple(batch[0].shape)))
+        return orig(self, batch, cached)
+
+    monkeypatch.setattr(T.PdmTrainer, "train_step", record)
+    per_epoch: dict[int, int] = {}
+    pack = T.pack_batches
+
+    def counting_pack(samples, *a):
+        out = pack(samples, *a)
+        per_epoch[a[-1]] = len(out)
+        return out
+
+    monkeypatch.setattr(T, "pack_batches", counting_pack)
+    state["run"] = "whole"
+    assert run(args("a"), capsys)[0] == 0
+    steps = len(seen["whole"])
+    assert steps == sum(per_epoch[e] for e in range(4)) != 4 * per_epoch[0], per_epoch  # the counts differ
+    state.update(run="first", stop_at=steps - 3)  # stopped after the last checkpoint before the end
+    with pytest.raises(KeyboardInterrupt):
+        run(args("b"), capsys)
+    state.update(run="rest", stop_at=-1)
+    assert run(args("b"), capsys)[0] == 0
+    whole = dict((st, rest) for st, *rest in seen["whole"])
+    resumed = seen["rest"]
+    assert resumed and all(whole[st] == rest for st, *rest in resumed), "a resumed step took another batch"
+    a = torch.load(tmp_path / "a" / "trainer_state.pt", weights_only=False)["head"]
+    b = torch.load(tmp_path / "b" / "trainer_state.pt", weights_only=False)["head"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_epoch_step_counting():
+    from spd_fast.train.trainer import epoch_steps, locate_step
+
+    per = {0: 12, 1: 11, 2: 13, 3: 12}.__getitem__
+    assert epoch_steps(per, 2) == 23 and epoch_steps(per, 2.5) == 23 + 6 and epoch_steps(per, 0.5) == 6
+    assert [locate_step(per, s) for s in (0, 11, 12, 22, 23, 35, 36)] == \
+        [(0, 0), (0, 11), (1, 0), (1, 10), (2, 0), (2, 12), (3, 0)]
+
+
+def test_a_finished_rerun_keeps_the_head_and_its_calibration(full_vocab_checkpoint, tmp_path, capsys):
+    out = tmp_path / "o"
+    argv = small(full_vocab_checkpoint, out, "--data", str(_text_rows(tmp_path / "d.jsonl", 6)), "--steps", "2",
+                 "--save-every", "2")
+    assert run(argv, capsys)[0] == 0
+    cfg = json.loads((out / "head" / "draft_config.json").read_text())
+    cfg["draft_temperature_scale"] = 0.5  # what `calibrate --write` stores in the head
+    (out / "head" / "draft_config.json").write_text(json.dumps(cfg))
+    rc, err = run(argv, capsys)
+    assert rc == 0 and "nothing to train" in err
+    assert json.loads((out / "head" / "draft_config.json").read_text())["draft_temperature_scale"] == 0.5
+
+
+def test_validation_edge_cases(full_vocab_checkpoint, tmp_path, capsys):
+    """No validation row inside --max-seq-len is an error (it would score a perfect 0 loss); a validation the run
+    missed (stopped during it) is done at the resume; a damaged best_head/val.json is no best yet."""
+    data = _text_rows(tmp_path / "d.jsonl", 6)
+    long_val = tmp_path / "v.jsonl"  # a long system prompt puts every answer token past --max-seq-len
+    long_val.write_text(json.dumps({"messages": [{"role": "system", "content": "word " * 200},
+                                                 {"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello there."}]}) + "\n")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--val", str(long_val),
+                        "--max-seq-len", "16"), capsys)
+    assert rc == 2 and "none of the 1 validation rows has an answer token within --max-seq-len 16" in err, err
+    val = _text_rows(tmp_path / "val.jsonl", 3, "Held")
+    out = tmp_path / "r"
+    argv = small(full_vocab_checkpoint, out, "--data", str(data), "--val", str(val), "--steps", "2", "--save-every", "2",
+                 "--draft-vocab", "49152")  # every validation row scored
+    assert run(argv, capsys)[0] == 0
+    (out / "last_val.json").write_text(json.dumps({"step": 0}))  # as if the run had stopped during that validation
+    (out / "best_head" / "val.json").write_text("")              # and the write of its record had been cut short
+    rc, err = run(argv, capsys)
+    assert rc == 0 and '"step": 2' in err and '"best": true' in err and "nothing to train" in err, err
+    assert json.loads((out / "best_head" / "val.json").read_text())["step"] == 2
+
+
+def test_resume_takes_this_runs_weight_decay(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    from spd_fast.train import trainer as T
+
+    data = _text_rows(tmp_path / "d.jsonl", 6)
+    out = tmp_path / "o"
+    assert run(small(full_vocab_checkpoint, out, "--data", str(data), "--steps", "2", "--save-every", "2"), capsys)[0] == 0
+    used = []
+    orig = T.PdmTrainer.train_step
+    monkeypatch.setattr(T.PdmTrainer, "train_step",
+                        lambda self, *a: used.append([g["weight_decay"] for g in self.opt.param_groups]) or orig(self, *a))
+    assert run(small(full_vocab_checkpoint, out, "--data", str(data), "--steps", "3", "--weight-decay", "0.5"),
+               capsys)[0] == 0
+    assert used and all(w == 0.5 for w in used[0])
+
+
+def test_teacher_cache_needs_room_on_disk(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    """The memory-mapped cache files are sparse: a full disk would kill the run with SIGBUS and no message."""
+    from collections import namedtuple
+
+    from spd_fast.train import features
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda p: usage(10, 10, 1000))
+    argv = [a for a in small(full_vocab_checkpoint, tmp_path / "o", "--data", str(_text_rows(tmp_path / "d.jsonl", 6)),
+                             "--steps", "1") if a != "--no-feature-cache"]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and "the teacher feature cache needs" in err and "only 0.00 GiB is free" in err, err
+    assert "--no-feature-cache" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.undo()
+    rc, err = run(argv, capsys)
+    assert rc == 0, err
+
+
+def test_a_damaged_parquet_file_is_named(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("pandas")
+
+    def read_parquet(path):
+        raise ValueError("Parquet magic bytes not found in footer. Either the file is corrupted or this is not a "
+                         "parquet file.")
+
+    fake.read_parquet = read_parquet
+    monkeypatch.setitem(sys.modules, "pandas", fake)
+    f = tmp_path / "d.parquet"
+    f.write_text("not parquet")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--steps", "1"), capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"data file {f} cannot be read as parquet (ValueError: Parquet magic bytes not found" in err, err
+    assert not (tmp_path / "o").exists()

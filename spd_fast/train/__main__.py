@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     from ..runtime import load_target
     from . import heap
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
-    from .trainer import TrainConfig, drop_unlearnable, pack_batches, train
+    from .trainer import TrainConfig, drop_unlearnable, epoch_steps, loss_rows, pack_batches, train
 
     a = build_parser(help_command).parse_args(argv)
     rank, world = 0, 1
@@ -191,10 +191,19 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
         if counts["dropped_samples"] or counts["cut_samples"]:
             log(json.dumps(counts))
         val = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
+        if val:  # rows whose answer starts past --max-seq-len score nothing: none at all would look like a perfect head
+            scored = [r for r in val if loss_rows(r, a.max_seq_len) > 0]
+            if not scored:
+                raise SpdConfigError(f"none of the {len(val)} validation rows has an answer token within --max-seq-len "
+                                     f"{a.max_seq_len}; raise --max-seq-len or pass --val files with shorter prompts")
+            val = scored
         steps = a.steps
         if a.epochs > 0:  # under torchrun each step takes one batch per rank
-            per_epoch = len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, 0)) // world
-            steps = int(a.epochs * per_epoch)
+            def count(e: int) -> int:
+                return len(pack_batches(samples, a.batch_tokens, a.max_seq_len, a.seed, e)) // world
+
+            per_epoch = count(0)
+            steps = epoch_steps(count, a.epochs)  # each epoch's own batch count
             if steps < 1:
                 raise SpdConfigError(f"--epochs {a.epochs} is less than one step ({per_epoch} steps per epoch); "
                                      f"ask for more epochs or use --steps")

@@ -270,7 +270,15 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
         except ImportError:
             raise SpdConfigError(f"data file {path}: reading .parquet needs pandas and pyarrow "
                                  f"(pip install pandas pyarrow), or convert it to .jsonl") from None
-        frame = pd.read_parquet(path)
+        try:
+            frame = pd.read_parquet(path)
+        except ImportError as e:  # pandas without a parquet engine
+            raise SpdConfigError(f"data file {path}: reading .parquet needs pyarrow (pip install pyarrow), or "
+                                 f"convert it to .jsonl ({e})") from None
+        except Exception as e:  # pyarrow's ArrowInvalid and friends: not a parquet file, or a damaged one
+            raise SpdConfigError(f"data file {path} cannot be read as parquet ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}); pass a valid .parquet file, or "
+                                 f"rename it if it holds another format") from None
         if "text" not in frame.columns:
             raise SpdConfigError(f"data file {path}: a .parquet file needs a \"text\" column; it has "
                                  f"{list(frame.columns)}")

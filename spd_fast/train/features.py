@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..config import SpdConfigError
 from ..model import Transformer
 from ..progress import bar
 from . import heap
@@ -64,6 +66,21 @@ class FeatureCache:
 
 
 @torch.no_grad()
+def _check_room(d: Path, fresh: bool, size: int) -> None:
+    """The cache files are memory maps created sparse: a disk that fills up while the teacher writes them kills
+    the process with SIGBUS ("Bus error") and no message, so the room they still need is checked first."""
+    if fresh:
+        need = size
+    else:  # what a resumed build has not written yet
+        need = sum(max(0, f.stat().st_size - f.stat().st_blocks * 512)
+                   for f in (d / "states.npy", d / "argmax.npy") if f.is_file())
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise SpdConfigError(f"the teacher feature cache needs {need / 2**30:.2f} GiB more in {d}, and only "
+                             f"{free / 2**30:.2f} GiB is free; free space, use an --out on a larger disk, or pass "
+                             f"--no-feature-cache (the teacher then runs at every step instead)")
+
+
 def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[dict], root: str | Path,
                         anchors: Sequence[int], max_seq_len: int = 512, batch_tokens: int = 4096,
                         bf16: bool = False, progress: bool = True) -> FeatureCache:
@@ -87,6 +104,7 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
     if (d / "meta.json").is_file() and (d / "done.npy").is_file() and bool(np.load(d / "done.npy").all()):
         return FeatureCache(d)
     fresh = not (d / "states.npy").is_file()
+    _check_room(d, fresh, N * len(layers) * H * 2 + N * 4)
     states = np.lib.format.open_memmap(d / "states.npy", mode="w+" if fresh else "r+", dtype=np.float16,
                                        shape=(N, len(layers), H))
     argmax = np.lib.format.open_memmap(d / "argmax.npy", mode="w+" if fresh else "r+", dtype=np.int32, shape=(N,))

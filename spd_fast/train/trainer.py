@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -333,8 +334,8 @@ class PdmTrainer:
         finally:
             self.head.train(was_training)
             self.target.free_caches()  # the live teacher sized them for this batch
-        rows = max(rows, 1.0)
-        out = {"val_loss": kl / rows, "val_top1": agree / rows, "val_tokens": rows}
+        # val_tokens: the rows scored (0 when no row's target argmax is in the draft vocabulary; then the rates are 0)
+        out = {"val_loss": kl / max(rows, 1.0), "val_top1": agree / max(rows, 1.0), "val_tokens": rows}
         if pos_edges:
             lo = [0, *pos_edges]
             names = [f"{a}-{b - 1}" for a, b in zip(lo, pos_edges)] + [f"{pos_edges[-1]}+"]
@@ -374,6 +375,8 @@ class PdmTrainer:
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
+            for g in self.opt.param_groups:  # the saved groups carry the old run's value; this run's --weight-decay
+                g["weight_decay"] = self.cfg.weight_decay  # counts (lr is set every step)
         except (RuntimeError, ValueError) as e:
             raise SpdConfigError(f"{out} holds a run whose head does not fit the one asked for ({str(e)[:200]}); "
                                  f"pass --no-resume (or another --out) to start over") from None
@@ -513,16 +516,56 @@ class TimeBudget:
         return self.trainer.total_steps
 
 
+def _read_json(path: Path) -> dict | None:
+    """A small JSON record of the run (best_head/val.json, last_val.json); None if missing or unreadable (a
+    write cut short by the end of a session)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _write_json(path: Path, d: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(d))
+    os.replace(tmp, path)
+
+
 def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) -> None:
     v = trainer.validate(val_samples)
     best_f = out / "best_head" / "val.json"
-    best = json.loads(best_f.read_text())["val_top1"] if best_f.is_file() else -1.0
-    improved = v["val_top1"] > best
+    best = (_read_json(best_f) or {}).get("val_top1", -1.0)
+    improved = v["val_tokens"] > 0 and v["val_top1"] > best  # no scored row is no evidence of anything
     if improved:
         trainer.head.save(out / "best_head")
-        best_f.write_text(json.dumps(dict(v, step=trainer.step)))
+        _write_json(best_f, dict(v, step=trainer.step))
+    _write_json(out / "last_val.json", {"step": trainer.step})  # a resume scores a checkpoint this missed
+    if not v["val_tokens"]:
+        log(f"validation scored no row: no answer token of the {len(val_samples)} validation samples has its target "
+            f"argmax in the {trainer.head.dcfg.draft_vocab_size}-token draft vocabulary (or inside --max-seq-len); "
+            f"raise --draft-vocab or pass --val data like the training data")
     rounded = {k: ({b: round(y, 4) for b, y in x.items()} if isinstance(x, dict) else round(x, 4)) for k, x in v.items()}
     log(json.dumps({"step": trainer.step, **rounded, "best": improved}))
+
+
+def epoch_steps(count, epochs: float) -> int:
+    """Steps in `epochs` epochs when epoch e has count(e) steps (each epoch packs its batches anew, so the
+    counts differ by a batch or so): the whole epochs' own counts plus the fraction of the next one's."""
+    whole = int(epochs)
+    return sum(count(e) for e in range(whole)) + int((epochs - whole) * count(whole))
+
+
+def locate_step(count, step: int) -> tuple[int, int]:
+    """(epoch, steps done in it) of global step `step` when epoch e has count(e) steps."""
+    epoch = 0
+    while step >= (c := count(epoch)):
+        if c == 0:
+            raise SpdConfigError(f"epoch {epoch} packs no batch for every rank; lower --batch-tokens or use fewer "
+                                 "processes")
+        step -= c
+        epoch += 1
+    return epoch, step
 
 
 def warm_start(head: DraftHead, init: str | Path, target_obj) -> None:
@@ -610,12 +653,20 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         log = _quiet
     if resume and trainer.resume(out):
         log(f"resumed from {out} at step {trainer.step}")
+        last_val = (_read_json(out / "last_val.json") or {}).get("step", -1)
+        if lead and val_samples and last_val < trainer.step:  # the run stopped during this checkpoint's validation
+            _validate(trainer, val_samples, out, log)
         if trainer.step >= trainer.total_steps:
             log(f"the run in {out} had already finished ({trainer.step} steps): nothing to train; pass a larger "
                 f"--steps to extend it, or --no-resume to start over")
-    elif lead and (out / "best_head").is_dir():
-        shutil.rmtree(out / "best_head")  # an earlier run's: this one's validations must not be judged against it
-        log(f"removed {out / 'best_head'} of an earlier run (a fresh start)")
+            head.eval()  # its head (and a calibration written into it since) stays as it is
+            return head
+    else:
+        if lead and (out / "best_head").is_dir():
+            shutil.rmtree(out / "best_head")  # an earlier run's: this one's validations must not be judged against it
+            log(f"removed {out / 'best_head'} of an earlier run (a fresh start)")
+        if lead:
+            (out / "last_val.json").unlink(missing_ok=True)
     cache = None
     if feature_cache:
         from .features import build_feature_caches
@@ -642,11 +693,17 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         bs = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)
         return bs[rank: len(bs) // world * world: world]
 
-    per_epoch = len(rank_batches(0))
-    if per_epoch == 0:
+    counts: dict[int, int] = {}
+
+    def count(e: int) -> int:
+        if e not in counts:
+            counts[e] = len(rank_batches(e))
+        return counts[e]
+
+    if count(0) == 0:
         raise SpdConfigError(f"{len(samples)} samples make fewer batches than the {world} ranks; lower "
                              "--batch-tokens, add data or use fewer processes")
-    epoch, done_in_epoch = divmod(trainer.step, per_epoch)
+    epoch, done_in_epoch = locate_step(count, trainer.step)  # each epoch's own batch count
     t0, toks, agg = time.perf_counter(), 0.0, []
     budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 and not trainer.budget_done else None
     pbar = None
