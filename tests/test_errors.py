@@ -599,10 +599,10 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     loads = []
 
     class Fake:
-        def generate(self, *a):
+        def generate(self, *a, **kw):
             return "g"
 
-        def stream(self, *a):
+        def stream(self, *a, **kw):
             return iter(["s"])
 
     monkeypatch.setattr(api, "_ENGINES", {})
@@ -647,10 +647,10 @@ def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_
     loads = []
 
     class Fake:
-        def generate(self, *a):
+        def generate(self, *a, **kw):
             return "g"
 
-        def stream(self, *a):
+        def stream(self, *a, **kw):
             return iter(["s"])
 
     def load(**kw):
