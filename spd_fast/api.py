@@ -57,6 +57,39 @@ class GenerationOutput:
     prompt_tokens: int
     finished_by_eos: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # "eos" (a stop token), "stop" (a stop string: `text` ends before it, `token_ids` include the token that
+    # completed it) or "length" (max_new_tokens)
+    finish_reason: str = "length"
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """Stop strings: None, a str or a list of non-empty str."""
+    items = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) and x for x in items):
+        raise SpdConfigError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return tuple(items)
+
+
+class StopStrings:
+    """Ends a generation at the first token whose text completes one of the stop strings (the prompt's text is
+    not searched). Called with each committed token by the decoders; `cut(text)` is where the answer ends."""
+
+    def __init__(self, decode: Any, stops: Sequence[str]):
+        self.decode, self.stops = decode, tuple(stops)
+        self.ids: list[int] = []
+
+    def __call__(self, token: int) -> bool:
+        self.ids.append(int(token))
+        return self.cut(self.decode(self.ids)) is not None
+
+    def cut(self, text: str) -> int | None:
+        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of `text` could be the start of a stop string (a stream holds them)."""
+        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
 
 
 def shipped_head(target: Target, num_stages: int) -> Path | None:
@@ -99,7 +132,7 @@ class Engine:
 
     # -- one prompt -------------------------------------------------------------------------------
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
-                eos: tuple[int, ...]) -> Iterator[int]:
+                eos: tuple[int, ...], stop_fn: StopStrings | None = None) -> Iterator[int]:
         """The decode of one prompt, refusing to go on once another generation has reused the caches: the
         model has one KV cache (and the engine one PDM cache), so an open stream() whose consumer meanwhile
         ran another generate() or stream() on this engine, or on another Engine built on the same loaded
@@ -109,7 +142,7 @@ class Engine:
         self._own_caches()  # another user of the model may have resized them since the call's capacity check
         model.generations += 1
         mine = model.generations
-        for t in self._decode(prompt_ids, max_new_tokens, params, method, eos):
+        for t in self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn):
             yield t
             if model.generations != mine:
                 raise SpdConfigError(
@@ -120,7 +153,7 @@ class Engine:
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
-                eos: tuple[int, ...]) -> Iterator[int]:
+                eos: tuple[int, ...], stop_fn: StopStrings | None) -> Iterator[int]:
         # the GPU placements keep one generator, reseeded per call, so their CUDA graphs (which register it)
         # are not captured again for every sampled call
         graphed = self.pipelined is not None or self.graphed_ar is not None
@@ -130,9 +163,9 @@ class Engine:
         if method == "ar":
             if self.graphed_ar is not None:  # the strong baseline of the GPU placements
                 dec = self.graphed_ar
-                yield from dec.generate(prompt_ids, max_new_tokens, params, eos, gen)
+                yield from dec.generate(prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
             else:
-                dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, eos, gen)
+                dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
                 yield from dec
             res = dec.result
             self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
@@ -142,44 +175,55 @@ class Engine:
         if self.spd is None:
             raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
         runner = self.pipelined if self.pipelined is not None else self.spd
-        yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen)
+        yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
         self._last = (runner.last_finished_by_eos, dict(runner.last_metrics))
 
     @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
-                 eos_ids: Sequence[int] = ()) -> GenerationOutput | list[GenerationOutput]:
-        """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id)."""
+                 eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None
+                 ) -> GenerationOutput | list[GenerationOutput]:
+        """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id). stop: strings that
+        end the answer when its text contains one (the text is cut before it, as vLLM does)."""
         prompts, single = _as_batch(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
         eos = self._eos(eos_ids)
+        stops = check_stop(stop)
         encoded = [self.target.encode(p) for p in prompts]  # a bad prompt fails before any decoding
         for ids in encoded:
             self._check_fits(ids, max_new_tokens, method)
         outs = []
         for ids in encoded:
-            toks = list(self._tokens(ids, max_new_tokens, params, method, eos))
+            checker = StopStrings(self.target.decode, stops) if stops else None
+            toks = list(self._tokens(ids, max_new_tokens, params, method, eos, checker))
             finished, metrics = self._last
             metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0
-            outs.append(GenerationOutput(self.target.decode(toks), toks, len(ids), finished, metrics))
+            text = self.target.decode(toks)
+            cut = checker.cut(text) if checker is not None else None
+            reason = "eos" if finished else "stop" if cut is not None else "length"
+            outs.append(GenerationOutput(text if cut is None else text[:cut], toks, len(ids), finished, metrics,
+                                         reason))
         return outs[0] if single else outs
 
     @_plain_numbers
     def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, method: str = "spd", eos_ids: Sequence[int] = ()
-               ) -> Iterator[str]:
-        """Yield verified text as it is committed (held back while a multi-byte character is incomplete).
-        Bad arguments raise here, before the first chunk is asked for."""
+               top_p: float = 1.0, seed: int | None = None, method: str = "spd", eos_ids: Sequence[int] = (),
+               stop: str | Sequence[str] | None = None) -> Iterator[str]:
+        """Yield verified text as it is committed (held back while a multi-byte character is incomplete, or
+        while it could be the start of a stop string). Bad arguments raise here, before the first chunk is asked
+        for."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
         check_max_new_tokens(max_new_tokens)
         eos = self._eos(eos_ids)
+        stops = check_stop(stop)
         _check_single(prompt)
         ids = self.target.encode(prompt)
         self._check_fits(ids, max_new_tokens, method)
-        return self._stream(ids, max_new_tokens, params, method, eos)
+        return self._stream(ids, max_new_tokens, params, method, eos,
+                            StopStrings(self.target.decode, stops) if stops else None)
 
     def _eos(self, eos_ids: Sequence[int]) -> tuple[int, ...]:
         """The model's own stop tokens plus the caller's (checked: an id the model cannot produce never stops)."""
@@ -201,18 +245,29 @@ class Engine:
         check_capacity(self.target.model, len(ids), max_new_tokens, extra)
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
-                eos: tuple[int, ...]) -> Iterator[str]:
+                eos: tuple[int, ...], checker: StopStrings | None = None) -> Iterator[str]:
         toks: list[int] = []
         shown = ""
-        for t in self._tokens(ids, max_new_tokens, params, method, eos):
+
+        def visible(text: str, final: bool) -> str:
+            if checker is None:
+                return text
+            cut = checker.cut(text)
+            if cut is not None:
+                return text[:cut]
+            return text if final else text[:len(text) - checker.held(text)]  # maybe the start of a stop string
+
+        for t in self._tokens(ids, max_new_tokens, params, method, eos, checker):
             toks.append(t)
             text = self.target.decode(toks)
             if text.endswith("\ufffd"):
                 continue
+            text = visible(text, False)
             if len(text) > len(shown) and text.startswith(shown):
                 yield text[len(shown):]
             shown = text
-        text = self.target.decode(toks)  # what was held back at the end (a character cut by max_new_tokens)
+        # what was held back at the end (a character cut by max_new_tokens, the start of a stop string never finished)
+        text = visible(self.target.decode(toks), True)
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown):]
         self.last_metrics = self._last[1]
@@ -398,11 +453,12 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
              dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP,
-             device: str = "cpu", eos_ids: Sequence[int] = ()) -> GenerationOutput | list[GenerationOutput] | None:
+             device: str = "cpu", eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None
+             ) -> GenerationOutput | list[GenerationOutput] | None:
     """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
     prompt: a str (raw text), a list of {"role", "content"} messages (chat template), a list of token ids, or a
-    list of such prompts (one output each). eos_ids: stop tokens besides the model's own. The engine is loaded
-    once per set of settings (see load()).
+    list of such prompts (one output each). eos_ids: stop tokens besides the model's own; stop: strings that end
+    the answer (its text is cut before the first one). The engine is loaded once per set of settings (see load()).
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
@@ -410,9 +466,14 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     _as_batch(prompt)
     check_lookup(lookup)
     check_eos_ids(eos_ids, sys.maxsize)  # the form now, the range once the model is known
+    check_stop(stop)
+    if stop and placement == "distributed":
+        raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, or use "
+                             "another placement")
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)
-    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids)
+    extra = {"stop": stop} if stop else {}
+    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids, **extra)
 
 
 @_plain_numbers
@@ -420,7 +481,7 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
            max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local",
-           eos_ids: Sequence[int] = ()) -> Iterator[str]:
+           eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None) -> Iterator[str]:
     """Yield the verified text of one prompt as it is committed; the settings and the cached engine are
     generate()'s (placement="distributed" does not stream)."""
     _check_method(method)
@@ -429,9 +490,10 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
     _check_single(prompt)
     check_lookup(lookup)
     check_eos_ids(eos_ids, sys.maxsize)
+    check_stop(stop)
     if placement == "distributed":
         raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole "
                              "output on rank 0, or another placement for stream()")
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)  # the key generate() uses
-    return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids)
+    return eng.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids, stop=stop)

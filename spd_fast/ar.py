@@ -87,11 +87,13 @@ class ArDecoder:
     """Token-by-token AR decoding as an iterator (for streaming); `result` is set when it ends."""
 
     def __init__(self, model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 eos_ids: Sequence[int], generator: torch.Generator | None = None):
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None,
+                 stop_fn: Callable[[int], bool] | None = None):
         check_capacity(model, len(prompt_ids), max_new_tokens)
         check_prompt_ids(prompt_ids, model.cfg.vocab_size)
         self.model, self.prompt_ids, self.max_new = model, list(prompt_ids), max_new_tokens
         self.params, self.eos, self.gen = params, set(int(e) for e in eos_ids), generator
+        self.stop_fn = stop_fn  # as in SPDEngine.generate: True after a token ends the generation there
         self.result: DecodeResult | None = None
 
     def __iter__(self) -> Iterator[int]:
@@ -111,7 +113,7 @@ class ArDecoder:
                 if t in self.eos:
                     finished = True
                     break
-                if len(out) >= self.max_new:
+                if len(out) >= self.max_new or (self.stop_fn is not None and self.stop_fn(t)):
                     break
                 ts = time.perf_counter()
                 with torch.inference_mode():

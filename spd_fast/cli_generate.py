@@ -28,6 +28,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     g.add_argument("--eos-id", type=non_negative_int, action="append", default=[],
                    help="an extra stop token id besides the model's own (repeatable)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string: the answer ends before its first occurrence (repeatable)")
     add_model_options(g)
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, metrics) "
                    "instead of streaming")
@@ -62,20 +64,23 @@ def summary_line(m: dict[str, float], method: str, num_stages: int, draft: str) 
 
 
 def run(args: argparse.Namespace) -> int:
+    from .api import check_stop
     from .sampling import SamplingParams
 
     prompt = _prompt(args)
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before loading the model
+    check_stop(args.stop)
     apply_runtime_options(args)
     # AR needs no draft head: a random one avoids a misleading "no shipped head" warning
     draft = "random" if args.method == "ar" and args.draft is None else None
     eng = load_engine(args, args.num_stages, quiet=args.json, draft=draft)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, method=args.method, eos_ids=args.eos_id)
+              top_p=args.top_p, seed=args.seed, method=args.method, eos_ids=args.eos_id, stop=args.stop or None)
     if args.json:
         out = eng.generate(prompt, **kw)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": out.prompt_tokens,
-                          "finished_by_eos": out.finished_by_eos, "method": args.method,
+                          "finished_by_eos": out.finished_by_eos, "finish_reason": out.finish_reason,
+                          "method": args.method,
                           "num_stages": eng.num_stages if args.method == "spd" else 1,
                           "draft": eng.draft_source if args.method == "spd" else None,
                           "model": str(eng.target.path), "metrics": out.metrics}))

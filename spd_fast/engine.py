@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -84,8 +84,10 @@ class Committer:
     """Hands out committed tokens in order (positions first_pos, first_pos + 1, ...), stopping at the
     first EOS or at max_new_tokens; `committed` counts the prefill token too."""
 
-    def __init__(self, first_pos: int, eos: set[int], max_new_tokens: int):
+    def __init__(self, first_pos: int, eos: set[int], max_new_tokens: int,
+                 stop_fn: Callable[[int], bool] | None = None):
         self.next_out, self.eos, self.max_new = first_pos, eos, max_new_tokens
+        self.stop_fn = stop_fn  # called with each token after the prefill's; True ends the generation (stop strings)
         self.committed, self.finished, self.stop = 1, False, False
 
     def take(self, tokens: torch.Tensor, last_pos: int, on_commit=None) -> Iterator[int]:
@@ -98,7 +100,8 @@ class Committer:
                 on_commit(self.committed)
             yield tok
             self.finished = tok in self.eos
-            self.stop = self.finished or self.committed >= self.max_new
+            self.stop = self.finished or self.committed >= self.max_new or \
+                (self.stop_fn is not None and self.stop_fn(tok))
 
 
 class SPDEngine:
@@ -220,8 +223,10 @@ class SPDEngine:
 
     # ---- the decode loop -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
-        """Yield committed tokens (only verified or exact ones); sets self.last_metrics at the end."""
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None,
+                 stop_fn: Callable[[int], bool] | None = None) -> Iterator[int]:
+        """Yield committed tokens (only verified or exact ones); sets self.last_metrics at the end. stop_fn(token),
+        called once per committed token (the prefill's too), ends the generation after that token when True."""
         check_capacity(self.model, len(prompt_ids), max_new_tokens, extra=self.n + 1)
         check_prompt_ids(prompt_ids, self.model.cfg.vocab_size)
         eos = set(int(e) for e in eos_ids)
@@ -232,10 +237,11 @@ class SPDEngine:
         finished = first in eos
         self.last_metrics = metrics_from(0, 0, 0, 1, self.n, 0.0, t1 - t0)
         yield first
-        if finished or max_new_tokens == 1:
+        hit = stop_fn is not None and stop_fn(first)
+        if finished or max_new_tokens == 1 or hit:
             self.last_finished_by_eos = finished
             return
-        com = Committer(st.prompt_len + 1, eos, max_new_tokens)
+        com = Committer(st.prompt_len + 1, eos, max_new_tokens, stop_fn)
         decode_time = 0.0
 
         def metrics(committed: int) -> None:

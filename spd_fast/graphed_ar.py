@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -83,7 +83,8 @@ class GraphedAR:
             generator.set_state(rng)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None,
+                 stop_fn: Callable[[int], bool] | None = None) -> Iterator[int]:
         m = self.model
         check_capacity(m, len(prompt_ids), max_new_tokens, extra=self.lag + 2)
         check_prompt_ids(prompt_ids, m.cfg.vocab_size)
@@ -101,10 +102,11 @@ class GraphedAR:
         out = [int(first)]
         self.result = DecodeResult(out, t1 - t0, 0.0, out[0] in eos, {})
         yield out[0]
-        if out[0] in eos or max_new_tokens == 1:
+        hit = stop_fn is not None and stop_fn(out[0])
+        if out[0] in eos or max_new_tokens == 1 or hit:
             return
         reader = Readback(self.tokens, [self.pos])
-        com = Committer(P + 1, eos, max_new_tokens)
+        com = Committer(P + 1, eos, max_new_tokens, stop_fn)
         t_dec = time.perf_counter()
         with torch.inference_mode():
             for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,

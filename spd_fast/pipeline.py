@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -334,8 +334,10 @@ class PipelinedEngine:
 
     # ---- the decode loop -----------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 eos_ids: Sequence[int], generator: torch.Generator | None = None) -> Iterator[int]:
-        """Yield committed tokens; sets last_metrics and last_finished_by_eos at the end."""
+                 eos_ids: Sequence[int], generator: torch.Generator | None = None,
+                 stop_fn: Callable[[int], bool] | None = None) -> Iterator[int]:
+        """Yield committed tokens; sets last_metrics and last_finished_by_eos at the end (stop_fn: as in
+        SPDEngine.generate)."""
         e = self.engine
         check_capacity(e.model, len(prompt_ids), max_new_tokens, extra=e.n + 1)
         check_prompt_ids(prompt_ids, e.model.cfg.vocab_size)
@@ -351,10 +353,11 @@ class PipelinedEngine:
         self.last_metrics = metrics_from(0, 0, 0, 1, e.n, 0.0, t1 - t0)
         self.last_finished_by_eos = first in eos
         yield first
-        if first in eos or max_new_tokens == 1:
+        hit = stop_fn is not None and stop_fn(first)
+        if first in eos or max_new_tokens == 1 or hit:
             return
         reader = Readback(st.tokens, [st.p_new, st.fill, st.cycles, st.verifications, st.accepts])
-        com = Committer(P + 1, eos, max_new_tokens)
+        com = Committer(P + 1, eos, max_new_tokens, stop_fn)
         t_dec = time.perf_counter()
         counters: list[int] = [0, 0, 0]
 

@@ -263,6 +263,20 @@ def test_generate_extra_stop_token(capsys):
     assert rc == 0 and d["finished_by_eos"] and d["token_ids"] == full["token_ids"][:full["token_ids"].index(stop) + 1]
 
 
+def test_generate_stop_string(capsys):
+    rc, out, _ = run_cli(["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--json", "--threads", "1"], capsys)
+    full = json.loads(out)
+    stop = full["text"][5:8]
+    rc, out, err = run_cli(["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--threads", "1", "--stop", stop],
+                           capsys)
+    assert rc == 0 and out == full["text"][:full["text"].index(stop)] + "\n", (out, err)
+    rc, out, _ = run_cli(["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--json", "--threads", "1",
+                          "--stop", stop], capsys)
+    assert json.loads(out)["finish_reason"] == "stop"
+    rc, _, err = run_cli(["generate", "Count:", "--stop", ""], capsys)
+    assert rc == 2 and "stop must be a non-empty string" in err
+
+
 def test_api_spellings_become_flags():
     from spd_fast.__main__ import build_parser
     from spd_fast.cli_common import cli_message

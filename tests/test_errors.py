@@ -637,6 +637,36 @@ def test_extra_stop_tokens(default_target, method):
         spd_fast.generate("Count:", 4, method=method, eos_ids=5)  # refused before any model loads
 
 
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_stop_strings(default_target, method):
+    """stop ends the answer at the first token whose text completes a stop string; the text is cut before it (as
+    vLLM does), the ids keep the completing token, and a stream never shows a character of the stop string."""
+    from spd_fast.api import Engine, StopStrings
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 512, "random")
+    full = eng.generate("Count: 1, 2, 3,", 16, method=method)
+    assert full.finish_reason == "length"
+    stop = full.text[6:9]  # three characters a few tokens in
+    out = eng.generate("Count: 1, 2, 3,", 16, method=method, stop=["never seen", stop])
+    assert out.text == full.text[:full.text.index(stop)] and out.finish_reason == "stop" and not out.finished_by_eos
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    assert stop in default_target.decode(out.token_ids) and stop not in default_target.decode(out.token_ids[:-1])
+    chunks = list(eng.stream("Count: 1, 2, 3,", 16, method=method, stop=stop))
+    assert "".join(chunks) == out.text
+    assert eng.generate("Count: 1, 2, 3,", 16, method=method, eos_ids=[full.token_ids[3]]).finish_reason == "eos"
+    assert eng.generate("Count: 1, 2, 3,", 16, method=method, stop="no such text").text == full.text
+    held = StopStrings(default_target.decode, ["abc", " x"])
+    assert (held.held("1 ab"), held.held("1 a"), held.held("1 "), held.held("1 b")) == (2, 1, 1, 0)
+    for bad in ("", [""], 5, ["a", 3]):
+        with pytest.raises(SpdConfigError, match="stop must be a non-empty string or a list of non-empty strings"):
+            eng.generate("Count:", 4, method=method, stop=bad)
+    with pytest.raises(SpdConfigError, match="placement='distributed' takes no stop strings; pass their tokens as "
+                                             "eos_ids"):
+        spd_fast.generate("Count:", 4, placement="distributed", stop="x")
+
+
 def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_of_a_random_head(monkeypatch):
     """"fp32" and torch.float32, "sequential" and "local", a relative and an absolute model path are one engine;
     a RandomHeadWarning is held back while only method="ar" (which never drafts) has run, then given once."""

@@ -93,6 +93,33 @@ def test_stops_at_eos_and_length_without_returning_unverified_tokens(tiny_checkp
     assert short.token_ids == ref[:5] and not short.finished_by_eos
 
 
+def test_every_decoder_stops_where_stop_fn_says(tiny_checkpoint):
+    """stop_fn (stop strings) is asked after each committed token, the prefill's included, by all four decoders;
+    the pipelined and graphed ones run cycles ahead of the host but return nothing past the stop."""
+    from spd_fast.ar import ArDecoder
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    ids = [2, 4, 6]
+    ref = decode_ar(m, ids, 30, GREEDY, []).token_ids
+    full = [0] * len(ids) + ref
+    for at in (0, 7):  # the prefill's token, and one decoded later
+        stop = ref[at]
+        cut = ref[: ref.index(stop) + 1]
+        decoders = {
+            "ar": lambda f: ArDecoder(m, ids, 30, GREEDY, [], None, f),
+            "spd": lambda f: SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size), b).generate(ids, 30, GREEDY, [],
+                                                                                                  None, f),
+            "pipelined": lambda f: PipelinedEngine(SPDEngine(m, ReferenceDrafter(full, m.cfg.vocab_size), b),
+                                                   "simulated", lag=3).generate(ids, 30, GREEDY, [], None, f),
+            "graphed-ar": lambda f: GraphedAR(m, lag=3).generate(ids, 30, GREEDY, [], None, f)}
+        for name, make in decoders.items():
+            asked: list[int] = []
+            got = list(make(lambda t: asked.append(t) or t == stop))
+            assert got == cut and asked == cut, (name, at)
+
+
 class _NoHostReads(TorchDispatchMode):
     """Fails on any op that copies a device value to the host (.item(), int(), bool(), nonzero)."""
     BANNED = ("_local_scalar_dense", "nonzero", "masked_select", "unique")
