@@ -77,10 +77,14 @@ class StopStrings:
     def __init__(self, decode: Any, stops: Sequence[str]):
         self.decode, self.stops = decode, tuple(stops)
         self.ids: list[int] = []
+        # a token is at least one byte and a character at most four: the newest `window` tokens hold any stop string
+        # the newest token can complete, with tokens to spare before it (a window's first token may decode
+        # differently, e.g. without its leading space)
+        self.window = 4 * max(map(len, self.stops)) + 8
 
     def __call__(self, token: int) -> bool:
         self.ids.append(int(token))
-        return self.cut(self.decode(self.ids)) is not None
+        return self.cut(self.decode(self.ids[-self.window:])) is not None
 
     def cut(self, text: str) -> int | None:
         hits = [i for s in self.stops if (i := text.find(s)) >= 0]

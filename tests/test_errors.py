@@ -657,6 +657,10 @@ def test_stop_strings(default_target, method):
     assert "".join(chunks) == out.text
     assert eng.generate("Count: 1, 2, 3,", 16, method=method, eos_ids=[full.token_ids[3]]).finish_reason == "eos"
     assert eng.generate("Count: 1, 2, 3,", 16, method=method, stop="no such text").text == full.text
+    long = eng.generate("Count: 1, 2, 3,", 40, method=method)
+    late = long.text[long.text.index("12"):][:3]  # first seen past the decoders' window of 4 * 3 + 8 tokens
+    assert len(default_target.encode(long.text[:long.text.index(late)])) > 4 * 3 + 8
+    assert eng.generate("Count: 1, 2, 3,", 40, method=method, stop=late).text == long.text[:long.text.index(late)]
     held = StopStrings(default_target.decode, ["abc", " x"])
     assert (held.held("1 ab"), held.held("1 a"), held.held("1 "), held.held("1 b")) == (2, 1, 1, 0)
     for bad in ("", [""], 5, ["a", 3]):
