@@ -336,6 +336,14 @@ def test_boundaries_are_checked_before_joining():
     eng = DistributedEngine.__new__(DistributedEngine)  # stream() refuses before touching any rank state
     with pytest.raises(SpdConfigError, match="placement='distributed' does not stream: use generate\\(\\)"):
         eng.stream("hi")
+    from types import SimpleNamespace
+
+    ended = []  # a refused call still releases the other ranks, which wait for its requests
+    eng.ctx, eng.driver = SimpleNamespace(rank=0), SimpleNamespace(end_call=lambda: ended.append(1))
+    with pytest.raises(SpdConfigError, match="placement='distributed' takes no stop strings; pass their tokens as "
+                                             "eos_ids"):
+        eng.generate("hi", stop=["x"])
+    assert ended == [1]
 
 
 def test_world_size_must_equal_num_stages(tmp_path):

@@ -94,9 +94,9 @@ class DistributedEngine:
 
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
-                 eos_ids: Sequence[int] = ()) -> Any:
+                 eos_ids: Sequence[int] = (), stop: Any = None) -> Any:
         """Call on EVERY rank. Rank 0: GenerationOutput (or a list for a list of prompts); others: None.
-        eos_ids adds stop tokens to the model's own."""
+        eos_ids adds stop tokens to the model's own; stop strings are not supported here (refused)."""
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
@@ -106,6 +106,9 @@ class DistributedEngine:
         try:  # validate everything before the first message, so a bad input cannot strand the others
             if method != "spd":
                 raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
+            if stop:
+                raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, "
+                                     "or use another placement")
             params = SamplingParams(temperature, top_k, top_p, seed)
             prompts, single = _as_batch(prompt)
             eos = tuple(self.target.eos_ids) + check_eos_ids(eos_ids, self.target.cfg.vocab_size)
