@@ -220,7 +220,7 @@ def test_stream_text_equals_generate_text_when_the_last_character_is_cut(default
     emoji = tok.encode("Hi 🙂🙂", add_special_tokens=False)
     cut = next(k for k in range(1, len(emoji)) if tok.decode(emoji[:k]).endswith("\ufffd"))
 
-    def fake(ids, max_new_tokens, params, method, eos):  # the decode, replaced by chosen tokens
+    def fake(ids, max_new_tokens, params, method, eos, stop_fn=None):  # the decode, replaced by chosen tokens
         eng._last = (False, {})
         yield from emoji[:max_new_tokens]
 
