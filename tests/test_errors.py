@@ -592,21 +592,24 @@ def test_eos_ids_must_be_token_ids():
         check_eos_ids(5, 100)
 
 
+class _FakeEngine:
+    """Stands in for a loaded engine in the tests of generate()'s engine cache."""
+
+    def generate(self, *a, **kw):
+        return "g"
+
+    def stream(self, *a, **kw):
+        return iter(["s"])
+
+
 def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     """generate() then stream() with the same arguments reuse the loaded engine instead of reloading it."""
     import spd_fast.api as api
 
     loads = []
 
-    class Fake:
-        def generate(self, *a, **kw):
-            return "g"
-
-        def stream(self, *a, **kw):
-            return iter(["s"])
-
     monkeypatch.setattr(api, "_ENGINES", {})
-    monkeypatch.setattr(api, "load", lambda **kw: loads.append(kw) or Fake())
+    monkeypatch.setattr(api, "load", lambda **kw: loads.append(kw) or _FakeEngine())
     assert spd_fast.generate("hi", max_new_tokens=2) == "g"
     assert list(spd_fast.stream("hi", max_new_tokens=2)) == ["s"]
     assert spd_fast.generate("hi", max_new_tokens=3) == "g"
@@ -680,19 +683,12 @@ def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_
 
     loads = []
 
-    class Fake:
-        def generate(self, *a, **kw):
-            return "g"
-
-        def stream(self, *a, **kw):
-            return iter(["s"])
-
     def load(**kw):
         loads.append(kw)
         warnings.warn("no shipped draft head for this model at num_stages=7; using a random head",
                       api.RandomHeadWarning)
         warnings.warn("a library's own warning", UserWarning)
-        return Fake()
+        return _FakeEngine()
 
     monkeypatch.setattr(api, "_ENGINES", {})
     monkeypatch.setattr(api, "_DEFERRED", {})
