@@ -14,8 +14,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_capacity, check_eos_ids, check_max_new_tokens
-from .config import (DEFAULT_LOOKUP, SpdConfigError, check_layer_indices, check_lookup, check_seed, check_stage_count,
-                     uniform_boundaries, validate_boundaries, validate_num_stages)
+from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_layer_indices, check_lookup,
+                     check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
 from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
@@ -77,14 +77,18 @@ class StopStrings:
     def __init__(self, decode: Any, stops: Sequence[str]):
         self.decode, self.stops = decode, tuple(stops)
         self.ids: list[int] = []
-        # a token is at least one byte and a character at most four: the newest `window` tokens hold any stop string
-        # the newest token can complete, with tokens to spare before it (a window's first token may decode
-        # differently, e.g. without its leading space)
-        self.window = 4 * max(map(len, self.stops)) + 8
+        # the text of the newest tokens that can hold any stop string the newest token completes, with characters to
+        # spare before it (a window's first token may decode differently, e.g. without its leading space)
+        self.chars = max(map(len, self.stops)) + 8
 
     def __call__(self, token: int) -> bool:
         self.ids.append(int(token))
-        return self.cut(self.decode(self.ids[-self.window:])) is not None
+        w = self.chars  # tokens; grown while they decode to fewer characters (special tokens decode to nothing)
+        while True:
+            text = self.decode(self.ids[-w:])
+            if len(text) >= self.chars or w >= len(self.ids):
+                return self.cut(text) is not None
+            w *= 2
 
     def cut(self, text: str) -> int | None:
         hits = [i for s in self.stops if (i := text.find(s)) >= 0]
@@ -398,9 +402,6 @@ _ENGINES: dict[tuple, Engine] = {}
 _DEFERRED: dict[tuple, list] = {}  # a cached engine's RandomHeadWarning, held back while it only runs AR
 
 
-class RandomHeadWarning(UserWarning):
-    """load() found no shipped draft head for this model and n and drafts with a random head (exact, but slow)."""
-
 
 def _default_num_stages(num_stages: int | None, draft: Any, placement: str | None,
                         boundaries: Any = None) -> int | None:
@@ -441,15 +442,32 @@ def _cached_engine(method: str = "spd", **kw: Any) -> Engine:
         _DEFERRED.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _ENGINES[key] = load(**kw)
-        _DEFERRED[key] = [w for w in caught if issubclass(w.category, RandomHeadWarning)]
-        for w in caught:
+            eng = load(**kw)
+        for w in caught:  # before the engine is kept: a warning the caller's filters make an error keeps nothing
             if not issubclass(w.category, RandomHeadWarning):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if method != "ar":
-        for w in _DEFERRED.pop(key, []):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                _reissue(w)
+        _ENGINES[key] = eng
+        _DEFERRED[key] = [w for w in caught if issubclass(w.category, RandomHeadWarning)]
+    if method != "ar" and _DEFERRED.get(key):
+        for w in _DEFERRED[key]:
+            _reissue(w)  # an "error" filter raises here, and again at the next call, as before the cache
+        del _DEFERRED[key]
     return _ENGINES[key]
+
+
+_WARN_REGISTRY: dict = {}  # "once per place" of the default filter, across re-issues
+
+
+def _reissue(w: warnings.WarningMessage) -> None:
+    """Give a warning recorded during load() again as it was first issued: category, place and module name (so
+    the caller's filters by module match), with one registry (the default filter shows it once per place)."""
+    path = Path(w.filename)
+    root = Path(__file__).resolve().parent
+    try:
+        module = ".".join(("spd_fast",) + path.resolve().relative_to(root).with_suffix("").parts)
+    except ValueError:
+        module = path.stem
+    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=module, registry=_WARN_REGISTRY)
 
 
 @_plain_numbers

@@ -15,6 +15,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 }
 
 
+class RandomHeadWarning(UserWarning):
+    """No draft head is shipped for this model and n: a random head drafts (the output is exact, but slow)."""
+
+
 class SpdConfigError(ValueError):
     """A configuration or input the user can fix; the message says how."""
 

@@ -157,7 +157,8 @@ def test_distributed_matches_single_process(default_target, tmp_path, one_thread
             for k in ("cycles", "verifications", "accepted"):
                 assert r["metrics"][k] == ref_greedy.metrics[k], k
     stop_res, sample_res = res[len(prompts)], res[len(prompts) + 1]
-    assert stop_res["token_ids"] == ref_stop and stop_res["finished_by_eos"]
+    assert stop_res["token_ids"] == ref_stop and stop_res["finished_by_eos"] and stop_res["finish_reason"] == "eos"
+    assert all(r["finish_reason"] == ("eos" if r["finished_by_eos"] else "length") for r in res)
     assert sample_res["token_ids"] == ref_sample.token_ids
     assert sample_res["metrics"]["accepted"] == ref_sample.metrics["accepted"]
     assert sample_res["metrics"]["cycles"] == ref_sample.metrics["cycles"]

@@ -666,6 +666,12 @@ def test_stop_strings(default_target, method):
     assert eng.generate("Count: 1, 2, 3,", 40, method=method, stop=late).text == long.text[:long.text.index(late)]
     held = StopStrings(default_target.decode, ["abc", " x"])
     assert (held.held("1 ab"), held.held("1 a"), held.held("1 "), held.held("1 b")) == (2, 1, 1, 0)
+    # special tokens decode to nothing: the check still sees a stop string they split
+    tok = default_target.tokenizer
+    special = tok.convert_tokens_to_ids("<reponame>")
+    ids = tok.encode("x: a", add_special_tokens=False) + [special] * 40 + tok.encode("b", add_special_tokens=False)
+    split = StopStrings(default_target.decode, ["ab"])
+    assert [split(i) for i in ids] == [False] * (len(ids) - 1) + [True]
     for bad in ("", [""], 5, ["a", 3]):
         with pytest.raises(SpdConfigError, match="stop must be a non-empty string or a list of non-empty strings"):
             eng.generate("Count:", 4, method=method, stop=bad)
@@ -674,7 +680,8 @@ def test_stop_strings(default_target, method):
         spd_fast.generate("Count:", 4, placement="distributed", stop="x")
 
 
-def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_of_a_random_head(monkeypatch):
+def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_of_a_random_head(monkeypatch,
+                                                                                                 tmp_path):
     """"fp32" and torch.float32, "sequential" and "local", a relative and an absolute model path are one engine;
     a RandomHeadWarning is held back while only method="ar" (which never drafts) has run, then given once."""
     import warnings
@@ -686,25 +693,39 @@ def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_
     def load(**kw):
         loads.append(kw)
         warnings.warn("no shipped draft head for this model at num_stages=7; using a random head",
-                      api.RandomHeadWarning)
+                      api.RandomHeadWarning, stacklevel=2)  # as load() does: at its caller in spd_fast.api
         warnings.warn("a library's own warning", UserWarning)
         return _FakeEngine()
 
     monkeypatch.setattr(api, "_ENGINES", {})
     monkeypatch.setattr(api, "_DEFERRED", {})
     monkeypatch.setattr(api, "load", load)
+    monkeypatch.chdir(tmp_path.parent)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        api.generate("hi", max_new_tokens=2, method="ar", dtype="fp32")
+        api.generate("hi", max_new_tokens=2, method="ar", dtype="fp32", model=tmp_path.name)
         assert [str(w.message) for w in caught] == ["a library's own warning"]  # not the draft head's
-        api.generate("hi", max_new_tokens=2, dtype=torch.float32, placement="sequential")
-        api.generate("hi", max_new_tokens=2, dtype="float32", device="cpu")
-        list(api.stream("hi", max_new_tokens=2, dtype="float32"))
+        api.generate("hi", max_new_tokens=2, dtype=torch.float32, placement="sequential", model=str(tmp_path))
+        api.generate("hi", max_new_tokens=2, dtype="float32", device=torch.device("cpu"), model=tmp_path)
+        list(api.stream("hi", max_new_tokens=2, dtype="float32", model=str(tmp_path) + "/"))
         random_head = [w for w in caught if issubclass(w.category, spd_fast.RandomHeadWarning)]
         assert len(random_head) == 1 and "random head" in str(random_head[0].message)
     assert len(loads) == 1 and loads[0]["device"] == "cpu"
     with pytest.raises(SpdConfigError, match="placement='distributed' does not stream"):
         api.stream("hi", placement="distributed")
+    # the caller's filters still apply to a held-back warning: an "error" filter raises at every SPD call (nothing
+    # is given up after the first), a filter by module matches the module that warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the library's own warning: not this check's business
+        warnings.filterwarnings("error", category=spd_fast.RandomHeadWarning)
+        for _ in range(2):
+            with pytest.raises(spd_fast.RandomHeadWarning):
+                api.generate("hi", max_new_tokens=2, lookup=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module=r"spd_fast\.api")
+        api.generate("hi", max_new_tokens=2, lookup=1)
+    assert [str(w.message) for w in caught] == ["a library's own warning"]
 
 
 def test_generate_and_stream_take_a_device():

@@ -503,9 +503,14 @@ def _student_logits(tr, ids, lens, fill):
     return logits.reshape(B, T, -1)
 
 
-def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, tmp_path):
+def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, tmp_path, monkeypatch):
+    from spd_fast.train import features
     from spd_fast.train.features import build_feature_cache
     from spd_fast.train.trainer import collate_cached
+
+    grad = []  # the teacher pass runs without autograd (the room check is called inside it)
+    check = features._check_room
+    monkeypatch.setattr(features, "_check_room", lambda *a: grad.append(torch.is_grad_enabled()) or check(*a))
 
     torch.manual_seed(0)
     m = tiny_target(tiny_checkpoint("llama"))
@@ -514,7 +519,7 @@ def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, 
     head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m)
     tr = PdmTrainer(m, head, TrainConfig(fill_aug=0.0))
     cache = build_feature_cache(m, "tiny", data, tmp_path / "fc", dcfg.anchors, 64, progress=False)
-    assert cache.layers == [2, 3, 6]
+    assert cache.layers == [2, 3, 6] and grad == [False]
     batch, cached = collate_cached([dict(s, _idx=i) for i, s in enumerate(data)], 64, cache)
     assert torch.equal(batch[0], collate(data, 64)[0])
     for fill in (None, 1):

@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {"num_stages": eng.num_stages, "boundaries": list(eng.boundaries), "draft": eng.draft_source,
            "rank_stats": {str(r): v for r, v in eng.last_rank_stats.items()},
            "results": [{"text": o.text, "token_ids": o.token_ids, "finished_by_eos": o.finished_by_eos,
+                         "finish_reason": o.finish_reason,
                         "metrics": o.metrics} for o in outs]}
     if args.output:
         with open(args.output, "w") as f:

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import (DEFAULT_LOOKUP, ModelConfig, SpdConfigError, check_layer_indices, check_lookup, check_seed,
-                      check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
+from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
+                      check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -56,7 +56,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         found = shipped_head(SimpleNamespace(fingerprint=fp), n)  # type: ignore[arg-type]
         if found is None:
             warnings.warn(f"no shipped draft head for this model at num_stages={n}; using a random head "
-                          "(output is still exact, but few drafts will be accepted)", stacklevel=3)
+                          "(output is still exact, but few drafts will be accepted)", RandomHeadWarning, stacklevel=3)
             draft = "random"
         else:
             draft, source = str(found), f"shipped:{found.name}"
@@ -148,7 +148,7 @@ class DistributedEngine:
             res = drv.run(list(r.prompt_ids), r.max_new_tokens, r.params, r.eos_ids, gen)
             res.metrics["num_stages"] = float(self.num_stages)
             outs.append(GenerationOutput(self.target.decode(res.token_ids), res.token_ids, len(r.prompt_ids),
-                                         res.finished_by_eos, res.metrics))
+                                         res.finished_by_eos, res.metrics, "eos" if res.finished_by_eos else "length"))
         self.last_rank_stats = drv.end_call()
         return outs
 

@@ -65,7 +65,6 @@ class FeatureCache:
         return torch.from_numpy(np.array(self.states[a:b])), torch.from_numpy(np.array(self.argmax[a:b])).long()
 
 
-@torch.no_grad()
 def _check_room(d: Path, fresh: bool, size: int) -> None:
     """The cache files are memory maps created sparse: a disk that fills up while the teacher writes them kills
     the process with SIGBUS ("Bus error") and no message, so the room they still need is checked first."""
@@ -81,6 +80,7 @@ def _check_room(d: Path, fresh: bool, size: int) -> None:
                              f"--no-feature-cache (the teacher then runs at every step instead)")
 
 
+@torch.no_grad()
 def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[dict], root: str | Path,
                         anchors: Sequence[int], max_seq_len: int = 512, batch_tokens: int = 4096,
                         bf16: bool = False, progress: bool = True) -> FeatureCache:
