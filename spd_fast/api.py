@@ -62,11 +62,14 @@ class GenerationOutput:
     finish_reason: str = "length"
 
 
-def check_stop(stop: Any) -> tuple[str, ...]:
-    """Stop strings: None, a str or a list of non-empty str."""
+def check_stop(stop: Any, placement: str = "local") -> tuple[str, ...]:
+    """Stop strings: None, a str or a list of non-empty str (none with placement="distributed")."""
     items = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) and x for x in items):
         raise SpdConfigError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    if items and placement == "distributed":
+        raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, or use "
+                             "another placement")
     return tuple(items)
 
 
@@ -402,7 +405,6 @@ _ENGINES: dict[tuple, Engine] = {}
 _DEFERRED: dict[tuple, list] = {}  # a cached engine's RandomHeadWarning, held back while it only runs AR
 
 
-
 def _default_num_stages(num_stages: int | None, draft: Any, placement: str | None,
                         boundaries: Any = None) -> int | None:
     """The n load() runs with when num_stages is None: a trained head's own n, else 3. None stays None
@@ -488,14 +490,10 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     _as_batch(prompt)
     check_lookup(lookup)
     check_eos_ids(eos_ids, sys.maxsize)  # the form now, the range once the model is known
-    check_stop(stop)
-    if stop and placement == "distributed":
-        raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, or use "
-                             "another placement")
+    check_stop(stop, placement)
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)
-    extra = {"stop": stop} if stop else {}
-    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids, **extra)
+    return eng.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids=eos_ids, stop=stop)
 
 
 @_plain_numbers

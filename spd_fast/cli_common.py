@@ -60,8 +60,10 @@ MAX_THREADS = 4096
 
 
 def _threads(low: int) -> Callable[[str], int]:
+    at_least = _int_at_least(low, f"a thread count from {low} to {MAX_THREADS}")
+
     def parse(text: str) -> int:
-        v = _int_at_least(low, f"a thread count from {low} to {MAX_THREADS}")(text)
+        v = at_least(text)
         if v > MAX_THREADS:
             raise argparse.ArgumentTypeError(f"expected a thread count from {low} to {MAX_THREADS}, got {v}")
         return v
@@ -238,11 +240,15 @@ def write_output(path: Path, text: str, option: str = "--out") -> None:
                              f"choose another {option} to keep them in a file") from None
 
 
+def our_warnings(caught: list) -> list:
+    """The recorded warnings spd_fast itself issued (e.g. 'no shipped head'), not library chatter."""
+    return [w for w in caught if str(Path(w.filename).resolve()).startswith(_PKG)]
+
+
 def print_warnings(caught: list) -> None:
-    """spd_fast's own warnings (e.g. 'no shipped head') as one stderr line each; library chatter is dropped."""
-    for w in caught:
-        if str(Path(w.filename).resolve()).startswith(_PKG):
-            print(f"spd-fast: warning: {w.message}", file=sys.stderr)
+    """spd_fast's own warnings as one stderr line each; library chatter is dropped."""
+    for w in our_warnings(caught):
+        print(f"spd-fast: warning: {w.message}", file=sys.stderr)
 
 
 def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:

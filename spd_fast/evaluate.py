@@ -15,11 +15,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .cli_common import our_warnings, result_paths, write_output
 from .config import DEFAULT_LOOKUP, SpdConfigError, validate_num_stages
 from .progress import bar
 from .store import DEFAULT_MODEL_NAME
-
-_PKG = str(Path(__file__).resolve().parent)
 
 CATEGORIES = ("chat", "math", "code")
 _SUMS = ("ver", "acc", "cycles", "decoded", "spd_s", "ar_s", "ar_tok", "answers", "new_tok", "rep", "rep_of")
@@ -174,9 +173,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             eng = spd_fast.load(model=model, draft=draft, num_stages=n, dtype=dtype, device=device,
                                 progress=progress, lookup=lookup, placement=placement, cuda_graphs=cuda_graphs,
                                 max_len=max_len)
-        for w in caught:  # ours only (e.g. a random head): library chatter is not the reader's business
-            if not str(Path(w.filename).resolve()).startswith(_PKG):
-                continue
+        for w in our_warnings(caught):  # library chatter is not the reader's business
             if on_warning is not None:
                 on_warning(str(w.message))
             else:
@@ -247,8 +244,6 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 def write_results(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     """Write <out>.json and <out>.md (a .json or .md suffix on `out` is replaced, other dots are kept:
     `cli_common.result_paths`); return both paths. A file that cannot be written raises SpdConfigError."""
-    from .cli_common import result_paths, write_output
-
     js, md = result_paths(out)
     write_output(js, json.dumps(result, indent=2))
     write_output(md, f"draft: {result['meta']['draft']}; {result['meta']}\n\n" + markdown_table(result["rows"]) + "\n")

@@ -457,7 +457,7 @@ def test_validation_edge_cases(full_vocab_checkpoint, tmp_path, capsys):
                                                  {"role": "assistant", "content": "Hello there."}]}) + "\n")
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--val", str(long_val),
                         "--max-seq-len", "16"), capsys)
-    assert rc == 2 and "none of the 1 validation rows has an answer token within --max-seq-len 16" in err, err
+    assert rc == 2 and "--max-seq-len 16 leaves no answer token of any of the 1 validation samples" in err, err
     val = _text_rows(tmp_path / "val.jsonl", 3, "Held")
     out = tmp_path / "r"
     argv = small(full_vocab_checkpoint, out, "--data", str(data), "--val", str(val), "--steps", "2", "--save-every", "2",

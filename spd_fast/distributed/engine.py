@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
-                      check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
+                      check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
+                      validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -100,15 +101,13 @@ class DistributedEngine:
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
-        from ..api import _as_batch
+        from ..api import _as_batch, check_stop
         from ..ar import check_eos_ids
 
         try:  # validate everything before the first message, so a bad input cannot strand the others
             if method != "spd":
                 raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
-            if stop:
-                raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, "
-                                     "or use another placement")
+            check_stop(stop, "distributed")
             params = SamplingParams(temperature, top_k, top_p, seed)
             prompts, single = _as_batch(prompt)
             eos = tuple(self.target.eos_ids) + check_eos_ids(eos_ids, self.target.cfg.vocab_size)

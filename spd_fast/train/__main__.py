@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 
 def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.ArgumentParser:
-    from ..cli_common import thread_count, DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int, positive_int
+    from ..cli_common import (DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int,
+                              positive_int, thread_count)
 
     p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head). The last checkpoint "
                "is OUT/head and, with --val, the best on validation OUT/best_head: pass either as `draft`.",
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     from ..runtime import load_target
     from . import heap
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
-    from .trainer import TrainConfig, drop_unlearnable, epoch_steps, loss_rows, pack_batches, train
+    from .trainer import TrainConfig, drop_unlearnable, epoch_steps, pack_batches, train
 
     a = build_parser(help_command).parse_args(argv)
     rank, world = 0, 1
@@ -191,12 +192,8 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
         if counts["dropped_samples"] or counts["cut_samples"]:
             log(json.dumps(counts))
         val = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
-        if val:  # rows whose answer starts past --max-seq-len score nothing: none at all would look like a perfect head
-            scored = [r for r in val if loss_rows(r, a.max_seq_len) > 0]
-            if not scored:
-                raise SpdConfigError(f"none of the {len(val)} validation rows has an answer token within --max-seq-len "
-                                     f"{a.max_seq_len}; raise --max-seq-len or pass --val files with shorter prompts")
-            val = scored
+        # rows whose answer starts past --max-seq-len score nothing: none at all would look like a perfect head
+        val = drop_unlearnable(val, a.max_seq_len, "validation samples")[0]
         steps = a.steps
         if a.epochs > 0:  # under torchrun each step takes one batch per rank
             def count(e: int) -> int:

@@ -279,7 +279,7 @@ def load_target_and_head(head_dir: str | Path, model: str | None = None, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_common import thread_count, Parser, check_output, cli_message, non_negative_int, positive_int
+    from ..cli_common import Parser, check_output, cli_message, non_negative_int, positive_int, thread_count
     from ..config import DEFAULT_LOOKUP, SpdConfigError
 
     p = Parser(prog="spd_fast.train.calibrate", description=__doc__,

@@ -7,6 +7,7 @@ positions whose target argmax lies in the draft vocabulary.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -409,16 +410,16 @@ def loss_rows(sample: dict, max_seq_len: int) -> int:
     return max(L - 1 - max(P - 1, 0), 0)
 
 
-def drop_unlearnable(samples: Sequence[dict], max_seq_len: int) -> tuple[list[dict], dict]:
+def drop_unlearnable(samples: Sequence[dict], max_seq_len: int, what: str = "samples") -> tuple[list[dict], dict]:
     """The samples with at least one loss position within max_seq_len, and counts of those dropped and cut
-    short; an error when none is left."""
+    short; an error when none is left (`what` names them in it, e.g. "validation samples")."""
     kept = [smp for smp in samples if loss_rows(smp, max_seq_len) > 0]
     counts = {"max_seq_len": max_seq_len, "dropped_samples": len(samples) - len(kept),
               "cut_samples": sum(len(smp["prompt_ids"]) + len(smp["response_ids"]) > max_seq_len for smp in kept)}
     if samples and not kept:
         shortest = min(len(smp["prompt_ids"]) for smp in samples)
         raise SpdConfigError(f"--max-seq-len {max_seq_len} leaves no answer token of any of the {len(samples)} "
-                             f"samples inside the window (the shortest prompt has {shortest} tokens); raise "
+                             f"{what} inside the window (the shortest prompt has {shortest} tokens); raise "
                              f"--max-seq-len above the prompts' length")
     return kept, counts
 
@@ -693,12 +694,9 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         bs = pack_batches(samples, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)
         return bs[rank: len(bs) // world * world: world]
 
-    counts: dict[int, int] = {}
-
+    @functools.cache
     def count(e: int) -> int:
-        if e not in counts:
-            counts[e] = len(rank_batches(e))
-        return counts[e]
+        return len(rank_batches(e))
 
     if count(0) == 0:
         raise SpdConfigError(f"{len(samples)} samples make fewer batches than the {world} ranks; lower "
