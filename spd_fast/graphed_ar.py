@@ -13,7 +13,7 @@ import torch
 from .ar import DecodeResult, check_capacity, check_prompt_ids, prefill
 from .model import Transformer
 from .engine import Committer
-from .pipeline import Readback, graph_pool, run_ahead
+from .pipeline import Readback, graph_pool, on_device, run_ahead
 from .profiling import nvtx_range
 from .sampling import SamplingParams, next_token
 
@@ -57,10 +57,10 @@ class GraphedAR:
             self._key, self._graph = key, None
         if self.cuda_graphs and self._graph is None:
             side = torch.cuda.Stream(device=m.device)
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream(m.device))
             with torch.cuda.stream(side):
                 self.warm_up(params, generator)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream(m.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             if generator is not None:
                 g.register_generator_state(generator)
@@ -85,6 +85,12 @@ class GraphedAR:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
                  eos_ids: Sequence[int], generator: torch.Generator | None = None,
                  stop_fn: Callable[[int], bool] | None = None) -> Iterator[int]:
+        return on_device(self._generate(prompt_ids, max_new_tokens, params, eos_ids, generator, stop_fn),
+                         self.model.device)
+
+    def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+                  eos_ids: Sequence[int], generator: torch.Generator | None,
+                  stop_fn: Callable[[int], bool] | None) -> Iterator[int]:
         m = self.model
         check_capacity(m, len(prompt_ids), max_new_tokens, extra=self.lag + 2)
         check_prompt_ids(prompt_ids, m.cfg.vocab_size)
@@ -110,7 +116,8 @@ class GraphedAR:
         t_dec = time.perf_counter()
         with torch.inference_mode():
             for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,
-                                          lambda unread: com.committed + unread < max_new_tokens, "ar.readback"):
+                                          lambda unread: com.committed + unread < max_new_tokens, "ar.readback",
+                                          max_launches=max_new_tokens + self.lag + 1):
                 for t in com.take(toks, pos):
                     out.append(t)
                     yield t

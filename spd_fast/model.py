@@ -325,7 +325,9 @@ class Transformer(nn.Module):
         return h, recorded
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        # with one stage per GPU (pipeline.place_stages) the last layer's output lies on the last stage's GPU,
+        # while the final norm and LM head stay on the model's device
+        return self.lm_head(self.norm(h.to(self.norm.weight.device))).float()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_bound: int | None = None) -> torch.Tensor:
         h, _ = self.run_layers(self.embed_tokens(ids), positions, 0, self.cfg.num_layers, kv_bound)

@@ -68,13 +68,36 @@ def resolve_placement(placement: str, device: str | torch.device, num_stages: in
     if placement == "streams":
         return [dev] * num_stages
     count = torch.cuda.device_count()
-    if count < num_stages:
+    first = torch.cuda.current_device() if dev.index is None else dev.index  # the model's GPU runs stage 0
+    if count - first < num_stages:
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(count))
         raise SpdConfigError(
-            f"placement='devices' runs one stage per GPU: num_stages={num_stages} needs {num_stages} GPUs, but "
-            f"{count} {'is' if count == 1 else 'are'} visible ({names}); lower num_stages, or use "
-            "placement='streams' (all stages on one GPU)")
-    return [torch.device("cuda", i) for i in range(num_stages)]
+            f"placement='devices' runs one stage per GPU, from the model's device cuda:{first} on: num_stages="
+            f"{num_stages} needs cuda:{first}..cuda:{first + num_stages - 1}, but {count} "
+            f"{'is' if count == 1 else 'are'} visible ({names}); lower num_stages, load on a lower device index, or "
+            "use placement='streams' (all stages on one GPU)")
+    return [torch.device("cuda", first + i) for i in range(num_stages)]
+
+
+def on_device(steps: Iterator[int], device: torch.device) -> Iterator[int]:
+    """Run a decode generator with `device` as the current CUDA device while it runs (never across a yield
+    into the caller's code). Streams, events and graph captures that name no device use the current one, so
+    on a model loaded on, say, cuda:1 they would otherwise go to cuda:0: events that wait for nothing (stale
+    tokens read back) and a capture that records no kernel. Off CUDA it is `steps` itself."""
+    if device.type != "cuda":
+        yield from steps
+        return
+    try:
+        while True:
+            with torch.cuda.device(device):
+                try:
+                    t = next(steps)
+                except StopIteration:
+                    return
+            yield t
+    finally:
+        with torch.cuda.device(device):
+            steps.close()
 
 
 def place_stages(engine: SPDEngine, devices: Sequence[torch.device]) -> None:
@@ -306,12 +329,13 @@ class PipelinedEngine:
                                                           "cycles", "verifications", "accepts")}
         hin0 = cyc.hin[0].clone()
         rng = generator.get_state() if generator is not None else None
-        side = torch.cuda.Stream(device=self.devices[0])
-        side.wait_stream(torch.cuda.current_stream())
+        dev = self.devices[0]
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
                 cyc.run(self.rt)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(dev).wait_stream(side)
         if generator is not None:  # the warm-up's draws handed back: the decode samples what eager cycles would
             generator.set_state(rng)
         g = torch.cuda.CUDAGraph()
@@ -338,6 +362,12 @@ class PipelinedEngine:
                  stop_fn: Callable[[int], bool] | None = None) -> Iterator[int]:
         """Yield committed tokens; sets last_metrics and last_finished_by_eos at the end (stop_fn: as in
         SPDEngine.generate)."""
+        return on_device(self._generate(prompt_ids, max_new_tokens, params, eos_ids, generator, stop_fn),
+                         self.engine.model.device)
+
+    def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+                  eos_ids: Sequence[int], generator: torch.Generator | None,
+                  stop_fn: Callable[[int], bool] | None) -> Iterator[int]:
         e = self.engine
         check_capacity(e.model, len(prompt_ids), max_new_tokens, extra=e.n + 1)
         check_prompt_ids(prompt_ids, e.model.cfg.vocab_size)
@@ -365,8 +395,12 @@ class PipelinedEngine:
             self.last_metrics = metrics_from(*counters, committed, e.n, time.perf_counter() - t_dec, t1 - t0)
         with torch.inference_mode():
             # each cycle commits at most one token: never launch more than could still be needed
+            # a cycle commits a token at least every n + 1 cycles (a reject refills n stages), so a decode that
+            # needs more cycles than that for max_new_tokens is stuck (e.g. a graph that replays nothing)
+            bound = (e.n + 1) * (max_new_tokens + 1) + self.lag
             for toks, scal in run_ahead(lambda: self._one_cycle(cyc), reader, self.lag,
-                                        lambda unread: com.committed + unread < max_new_tokens, "spd.readback"):
+                                        lambda unread: com.committed + unread < max_new_tokens, "spd.readback",
+                                        max_launches=bound):
                 p_new_h, fill_h, counters[:] = scal[0], scal[1], scal[2:]
                 yield from com.take(toks, p_new_h - fill_h + 1, metrics)
                 if com.stop:
@@ -382,15 +416,22 @@ class PipelinedEngine:
         return SpdResult(toks, self.last_finished_by_eos, dict(self.last_metrics))
 
 
-def run_ahead(launch, reader: "Readback", lag: int, may_launch, label: str = "readback"
-              ) -> Iterator[tuple[torch.Tensor, list[int]]]:
+def run_ahead(launch, reader: "Readback", lag: int, may_launch, label: str = "readback",
+              max_launches: int | None = None) -> Iterator[tuple[torch.Tensor, list[int]]]:
     """Launch steps ahead of the host and yield each step's snapshot (tokens, scalars) once it is
     `lag` steps old. `may_launch(unread)` says whether another step could still be needed, given
-    `unread` steps launched whose snapshots were not yet yielded. Stops when nothing is pending."""
+    `unread` steps launched whose snapshots were not yet yielded. Stops when nothing is pending.
+    `max_launches`: more steps than the decode can need means the device state is not advancing (a
+    graph that replays nothing, stale read-backs), which raises instead of looping for ever."""
     pending: deque = deque()
     launched = seen = 0
     while True:
         if may_launch(launched - seen):
+            if max_launches is not None and launched >= max_launches:
+                raise RuntimeError(
+                    f"the device decode launched {launched} steps without finishing, more than it can need: its "
+                    "state stopped advancing (a CUDA graph that replays no work, or read-backs that see stale "
+                    "buffers); rerun with cuda_graphs=False, or placement='sequential', and report it")
             launch()
             launched += 1
             pending.append(reader.snapshot(launched))
@@ -423,9 +464,9 @@ class Readback:
         host = self._buffer()
         host.copy_(dev, non_blocking=self.cuda)
         ev = None
-        if self.cuda:
+        if self.cuda:  # on the tokens' own GPU's stream: the one the copy above was queued on
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.tokens.device))
         return step_no, host, ev
 
     def read(self, snap) -> tuple[int, torch.Tensor, list[int]]:

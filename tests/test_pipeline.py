@@ -472,3 +472,86 @@ def test_bernoulli_reference_drafter_draws_outside_the_cycle(tiny_checkpoint):
     assert pipe.token_ids == ref
     for k in ("cycles", "verifications", "accepted"):
         assert pipe.metrics[k] == seq.metrics[k], k
+
+
+def test_a_decode_whose_device_state_never_advances_raises(tiny_checkpoint):
+    """A cycle (or AR step) that changes nothing, as a CUDA graph captured on the wrong device would, must end
+    in an error instead of launching for ever."""
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    launches = []
+    pipe._one_cycle = launches.append  # a replay that does no work
+    with pytest.raises(RuntimeError, match="launched 38 steps without finishing.*cuda_graphs=False"):
+        pipe.run([5, 17, 3], 8, GREEDY, [])
+    assert len(launches) == 38  # (n + 1) * (max_new_tokens + 1) + lag
+    g = GraphedAR(m, lag=2)
+    g._one_step = lambda params, generator: (lambda: None)
+    with pytest.raises(RuntimeError, match="launched 11 steps without finishing"):
+        g.run([5, 17, 3], 8, GREEDY, [])
+    del pipe._one_cycle  # the bound never stops a working decode early
+    assert pipe.run([5, 17, 3], 40, GREEDY, []).token_ids == decode_ar(m, [5, 17, 3], 40, GREEDY, []).token_ids
+
+
+def test_final_norm_and_lm_head_read_the_last_stage_output_on_their_own_device(tiny_checkpoint):
+    """With one stage per GPU the last layer's output lies on the last GPU while the final norm and LM head stay
+    on the model's device (here the meta device stands in for it)."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    h = torch.randn(2, m.cfg.hidden_size)
+    m.norm.to("meta")
+    m.lm_head.to("meta")
+    out = m.logits(h)
+    assert out.device.type == "meta" and tuple(out.shape) == (2, m.cfg.vocab_size)
+
+
+def test_gpu_decodes_run_with_the_models_gpu_current(monkeypatch):
+    """Events, streams and graph captures that name no device use the current one: the GPU decoders run each
+    step of their generator with the model's device current, and give it back at every yield."""
+    from spd_fast import pipeline
+
+    current: list[str] = ["cuda:0"]
+
+    class FakeDevice:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            self.prev = current[0]
+            current[0] = str(self.d)
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    seen, closed = [], []
+
+    def steps():
+        try:
+            for t in range(3):
+                seen.append(current[0])
+                yield t
+        finally:
+            closed.append(current[0])
+
+    outside = []
+    for t in pipeline.on_device(steps(), torch.device("cuda:1")):
+        outside.append(current[0])
+        if t == 1:
+            break
+    assert seen == ["cuda:1", "cuda:1"] and outside == ["cuda:0", "cuda:0"] and closed == ["cuda:1"]
+    assert list(pipeline.on_device(steps(), torch.device("cpu"))) == [0, 1, 2]
+
+
+def test_devices_placement_starts_at_the_models_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "GPU")
+    assert resolve_placement("devices", "cuda:1", 3) == [torch.device("cuda", i) for i in (1, 2, 3)]
+    assert resolve_placement("devices", "cuda", 2) == [torch.device("cuda", i) for i in (0, 1)]
+    assert resolve_placement("streams", "cuda:2", 3) == [torch.device("cuda:2")] * 3
+    with pytest.raises(SpdConfigError, match=r"from the model's device cuda:2 on: num_stages=3 needs "
+                                             r"cuda:2\.\.cuda:4, but 4 are visible .*load on a lower device index"):
+        resolve_placement("devices", "cuda:2", 3)
