@@ -514,3 +514,60 @@ def test_kernels_import_from_an_uninstalled_source_checkout():
                        env=dict(os.environ, PYTHONPATH=""))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == str(root / "spd_fast" / "triton_kernels" / "_common.py")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_sampling_kernels_handle_empty_batches_and_rows_without_mass(device):
+    """B = 0 launches nothing (a zero block size divided the grid), and a row whose processed probabilities are
+    all zero or NaN (NaN logits) draws an index inside the vocabulary: the fallback index was -1, which read the
+    word before the draft vocabulary and stored token -1."""
+    from spd_fast.triton_kernels.draft_sample import launch_draft_sample
+    from spd_fast.triton_kernels.verify import launch_verify_greedy, launch_verify_sampling
+
+    dev = triton_device(device)
+    V, Vd = 40, 16
+    vocab = torch.arange(3, 3 + Vd, device=dev)
+    empty = torch.zeros(0, V, device=dev)
+    acc, tok = launch_verify_greedy(empty, torch.zeros(0, dtype=torch.long, device=dev))
+    assert acc.shape == tok.shape == (0,)
+    acc, tok = launch_verify_sampling(empty, torch.zeros(0, dtype=torch.long, device=dev), empty.clone(), 1.0, 0,
+                                      1.0, torch.zeros(0, 2, device=dev))
+    assert acc.shape == tok.shape == (0,)
+    tok, q = launch_draft_sample(torch.zeros(0, Vd, device=dev), vocab, V, 1.0, 0, 1.0, torch.zeros(0, device=dev))
+    assert tok.shape == (0,) and q.shape == (0, V)
+    nan = torch.full((1, Vd), float("nan"), device=dev)
+    tok, _ = launch_draft_sample(nan, vocab, V, 1.0, 0, 1.0, torch.full((1,), 0.5, device=dev))
+    assert 3 <= int(tok) < 3 + Vd
+    q = torch.zeros(1, V, device=dev)
+    q[0, 5] = 1.0
+    _, tok = launch_verify_sampling(torch.full((1, V), float("nan"), device=dev), torch.tensor([5], device=dev), q,
+                                    1.0, 0, 1.0, torch.full((1, 2), 0.5, device=dev))
+    assert 0 <= int(tok) < V
+
+
+def test_gpu_kernel_paths_script_small_on_cpu():
+    """bench/gpu_kernel_paths.py (the real-size Triton checks of the GPU lease) passes interpreted at small
+    shapes, and a kernel that gives a wrong answer fails its own check without hiding the others."""
+    import importlib.util
+
+    triton_device("cpu")
+    spec = importlib.util.spec_from_file_location("gpu_kernel_paths", "bench/gpu_kernel_paths.py")
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+    lines: list[str] = []
+    rows = kp.run("cpu", small=True, log=lines.append)
+    assert [r["check"] for r in rows] == [c[0] for c in kp.CHECKS] and all(r["ok"] for r in rows), rows
+    assert len(lines) == len(rows) and lines[0].startswith("ok")
+    orig = kp.Paths.__init__
+
+    def broken_greedy(self, device, small):
+        orig(self, device, small)
+        self.k["greedy"] = lambda logits, d: (d == 0, torch.zeros_like(d))  # always token 0
+
+    kp.Paths.__init__ = broken_greedy
+    try:
+        rows = kp.run("cpu", small=True, log=lines.append)
+    finally:
+        kp.Paths.__init__ = orig
+    assert [r["ok"] for r in rows] == [False] + [True] * (len(rows) - 1)
+    assert "AssertionError" in rows[0]["error"] and lines[-len(rows)].startswith("FAIL")

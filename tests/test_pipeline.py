@@ -555,3 +555,44 @@ def test_devices_placement_starts_at_the_models_gpu(monkeypatch):
     with pytest.raises(SpdConfigError, match=r"from the model's device cuda:2 on: num_stages=3 needs "
                                              r"cuda:2\.\.cuda:4, but 4 are visible .*load on a lower device index"):
         resolve_placement("devices", "cuda:2", 3)
+
+
+def test_gpu_check_counts_every_failure_and_keeps_going(tmp_path, monkeypatch, capsys):
+    """A check that raises fails alone; an inexact timing run, a failed kernel section or a section skipped past
+    --deadline makes the exit status 1, and the summary is printed in every case."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "bench/gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    rows: list[dict] = []
+    gc.attempt(rows, "raises", lambda: 1 / 0)
+    gc.attempt(rows, "passes", lambda: (True, {"acceptance": 0.5}))
+    assert [(r["check"], r["ok"]) for r in rows] == [("raises", False), ("passes", True)]
+    assert "ZeroDivisionError" in rows[0]["error"] and rows[1]["acceptance"] == 0.5
+
+    def fake_exactness(*a):
+        a[-1].append({"check": "fake", "ok": True})
+        return a[-1]
+
+    def fake_timings(name, *a, exact=True):
+        row = dict(n=2, tokens_per_s=1.0, speedup_vs_graphed_ar=1.0, acceptance=0.5, exact=exact, cycle_us=1.0,
+                   slowest_stage_us=1.0, draft_us=1.0, overhead_us=0.0)
+        return {"shape": name, "ar_ms_per_token": 1.0, "ar_graph_step_us": 1.0, "ar_roofline_fraction": 0.5,
+                "spd": [row]}
+    monkeypatch.setattr(gc, "exactness", fake_exactness)
+    base = ["--cpu-dry-run", "--skip-kernels", "--num-stages", "2", "--acceptance", "0.5", "--out", str(tmp_path)]
+    monkeypatch.setattr(gc, "timings", fake_timings)
+    assert gc.main(base) == 0
+    monkeypatch.setattr(gc, "timings", lambda name, *a: fake_timings(name, exact=False))
+    assert gc.main(base) == 1
+    assert "| tiny | 1.000 | 1.0 | 50% | 2 | 1 | 1.00x | 0.50 | NO |" in capsys.readouterr().out
+    monkeypatch.setattr(gc, "timings", fake_timings)
+    assert gc.main(base + ["--deadline", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "skipped (past --deadline): exactness, copy_bandwidth_gbs, timing_tiny" in out and "== gpu_check summary" in out
+    monkeypatch.setattr(gc, "kernel_paths", lambda dry: {"ok": False, "checks": [{"check": "k", "ok": False,
+                                                                                   "error": "E"}]})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gc.main([x for x in base if x != "--skip-kernels"]) == 1
+    assert "kernel paths: 0/1 pass\n  FAIL k: E" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Launcher helpers: argument checks with clear messages, and the interpreter switch."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,6 +24,19 @@ def check_device(*tensors: torch.Tensor) -> None:
     check(all(t.device == dev for t in tensors), f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
     check(dev.type == "cuda" or interpreting(),
           f"Triton kernels need CUDA tensors (got {dev}); set TRITON_INTERPRET=1 before importing them to run on CPU")
+
+
+def on_input_device(launch):
+    """Launch with the first tensor argument's GPU current: Triton launches on the current CUDA device, not on
+    the tensors' own, so a kernel on a model loaded on cuda:1 would otherwise get cuda:1 pointers on cuda:0."""
+    @functools.wraps(launch)
+    def wrapper(*args, **kwargs):
+        t = args[0]
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            with torch.cuda.device(t.device):
+                return launch(*args, **kwargs)
+        return launch(*args, **kwargs)
+    return wrapper
 
 
 def rows(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, check_device, interpreting
+from ._common import FLOAT_DTYPES, check, check_device, interpreting, on_input_device
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _aggregate_kernel(p_x, p_t, p_w, p_o, R, H, M, BLOCK_R: tl.constexpr, BLOCK_
                 # rows of other types load zeros, so one dot serves the whole row block
                 b_x = tl.load(p_x + o_r[:, None].to(tl.int64) * K + o_k[None, :],
                               mask=m_rt[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                b_w = tl.load(p_wt + o_n[None, :] * K + o_k[:, None],
+                b_w = tl.load(p_wt + o_n[None, :].to(tl.int64) * K + o_k[:, None],
                               mask=m_n[None, :] & m_k[:, None], other=0.0).to(tl.float32)
                 # "ieee": fp32 operands must not be rounded to tf32 on tensor cores
                 b_acc += tl.dot(b_x, b_w, input_precision="ieee")
@@ -45,6 +45,7 @@ def _aggregate_kernel(p_x, p_t, p_w, p_o, R, H, M, BLOCK_R: tl.constexpr, BLOCK_
              mask=m_r[:, None] & m_n[None, :])
 
 
+@on_input_device
 def launch_aggregate(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     check(anchor_rows.dim() == 3, f"anchor_rows must be [R, m, H], got shape {tuple(anchor_rows.shape)}")

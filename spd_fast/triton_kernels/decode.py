@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, check_device
+from ._common import FLOAT_DTYPES, check, check_device, on_input_device
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------
@@ -43,6 +43,7 @@ def _rope_kernel(p_x, p_cos, p_sin, row_stride, HEADS, D_HALF, BLOCK_D: tl.const
     tl.store(base + D_HALF + o, (x2 * c2 + x1 * s2).to(p_x.dtype.element_ty), mask=m)
 
 
+@on_input_device
 def launch_rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     check(x.dim() == 3, f"x must be [N, heads, D], got shape {tuple(x.shape)}")
     N, heads, D = x.shape
@@ -81,6 +82,7 @@ def _swiglu_kernel(p_gu, p_out, INTER, BLOCK: tl.constexpr):
     tl.store(p_out + row * INTER + o, (s * u).to(p_out.dtype.element_ty), mask=m)
 
 
+@on_input_device
 def launch_swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, f"gate_up must be [N, 2I], got {tuple(gate_up.shape)}")
     check(gate_up.dtype in FLOAT_DTYPES and gate_up.is_contiguous(), "gate_up must be a contiguous float tensor")
@@ -164,6 +166,7 @@ def _attn_merge_kernel(p_m, p_l, p_acc, p_o, D, N_SPLIT: tl.constexpr, BLOCK_D: 
     tl.store(p_o + i * D + o_d, (num / den).to(p_o.dtype.element_ty), mask=m_d)
 
 
+@on_input_device
 def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                             kv_bound: int, splits: int | None = None) -> torch.Tensor:
     check(q.dim() == 4, f"q must be [B, T, nh, D], got shape {tuple(q.shape)}")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_device, check_per_row, rows
+from ._common import check, check_device, check_per_row, on_input_device, rows
 from ._sampling import cdf_step, launch_blocks, probs_block, row_stats
 
 
@@ -45,9 +45,11 @@ def _draft_sample_kernel(p_logits, p_vocab, p_u, p_q, p_token, B, Vd, V, s_row, 
     for v0 in range(0, Vd, BLOCK_V):
         b_p = probs_block(p_rows, v0 + o_v, Vd, temperature, mx, thr, z)
         run, count, last = cdf_step(b_p, v0 + o_v, Vd, target, run, count, last)
-    tl.store(p_token + o_r, tl.load(p_vocab + tl.minimum(count, last)), mask=m_b)
+    # a row with no positive probability (NaN logits) has last = -1: index 0, not the word before p_vocab
+    tl.store(p_token + o_r, tl.load(p_vocab + tl.maximum(tl.minimum(count, last), 0)), mask=m_b)
 
 
+@on_input_device
 def launch_draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, temperature: float,
                         top_k: int, top_p: float, u: torch.Tensor,
                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +72,8 @@ def launch_draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab
         check_per_row(token, batch, torch.long, "out[0] (token)")
         check_per_row(q, batch, torch.float32, "out[1] (q)", (vocab_size,))
     B = logits.shape[0]
+    if B == 0:
+        return token, q
     block_b, block_v = launch_blocks(B, Vd)
     _draft_sample_kernel[(triton.cdiv(B, block_b),)](
         logits, draft_vocab, u, q, token, B, Vd, vocab_size, logits.stride(0), vocab_size, float(temperature),

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, check_device
+from ._common import FLOAT_DTYPES, check, check_device, on_input_device
 
 
 @triton.jit
@@ -30,6 +30,7 @@ def _add_rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, H, eps, BLOCK_H: tl.constexpr
     tl.store(p_y + row * H + o_h, b_y.to(p_y.dtype.element_ty), mask=m_h)
 
 
+@on_input_device
 def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check(x.dim() in (1, 2), f"x must be [H] or [N, H], got shape {tuple(x.shape)}")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_device, check_per_row, rows, vocab_warps
+from ._common import check, check_device, check_per_row, on_input_device, rows, vocab_warps
 from ._sampling import cdf_step, launch_blocks, probs_block, row_stats
 
 
@@ -70,7 +70,7 @@ def _verify_sampling_kernel(p_logits, p_q, p_draft, p_u, p_accept, p_token, B, V
         b_q = tl.load(p_qrows + v0 + o_v, mask=v0 + o_v < V, other=0.0)
         b_w = tl.where(use_p, b_p, tl.maximum(b_p - b_q, 0.0))
         run, count, last = cdf_step(b_w, v0 + o_v, V, target, run, count, last)
-    y = tl.minimum(count, last).to(tl.int64)
+    y = tl.maximum(tl.minimum(count, last), 0).to(tl.int64)  # no positive weight (NaN logits): token 0, not -1
     m_b = o_b[:, None] < B
     tl.store(p_accept + o_r, accept, mask=m_b)
     tl.store(p_token + o_r, tl.where(accept, x_tok, y), mask=m_b)
@@ -86,6 +86,7 @@ def _outputs(batch_shape: torch.Size, device: torch.device,
     return out
 
 
+@on_input_device
 def launch_verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor,
                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (accept = draft_token == argmax, token = argmax). NaN logits are ignored (torch.argmax
@@ -96,12 +97,15 @@ def launch_verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor,
     check_device(target_logits, draft_token)
     accept, token = _outputs(batch, target_logits.device, out)
     B, V = logits.shape
+    if B == 0:
+        return accept, token
     block = min(4096, triton.next_power_of_2(max(V, 16)))
     _verify_greedy_kernel[(B,)](logits, draft_token, accept, token, V, logits.stride(0), BLOCK_V=block,
                                 num_warps=vocab_warps(block))
     return accept, token
 
 
+@on_input_device
 def launch_verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tensor, q: torch.Tensor,
                            temperature: float, top_k: int, top_p: float, u: torch.Tensor,
                            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +122,8 @@ def launch_verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tenso
     check_device(target_logits, draft_token, q, u)
     accept, token = _outputs(batch, target_logits.device, out)
     B, V = logits.shape
+    if B == 0:
+        return accept, token
     block_b, block_v = launch_blocks(B, V)
     _verify_sampling_kernel[(triton.cdiv(B, block_b),)](
         logits, q, draft_token, u, accept, token, B, V, logits.stride(0), V, float(temperature), float(top_k),
