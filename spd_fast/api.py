@@ -1,11 +1,11 @@
 """The public API: load(), generate(), stream()."""
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import numbers
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +31,48 @@ METHODS = ("spd", "ar")
 PLACEMENTS = ("local", "sequential", "streams", "devices", "distributed")
 
 
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+
+
+def _take_sampling_params(bound: inspect.BoundArguments) -> None:
+    """`sampling_params=SamplingParams(...)` (as vLLM users write it) in place of the separate settings."""
+    if isinstance(bound.arguments.get("max_new_tokens"), SamplingParams):
+        raise SpdConfigError("max_new_tokens (the second argument) got a SamplingParams; pass it as "
+                             "sampling_params=SamplingParams(...), and the token budget as max_new_tokens")
+    sp = bound.arguments.pop("sampling_params", None)
+    if sp is None:
+        return
+    if not isinstance(sp, SamplingParams):
+        raise SpdConfigError(f"sampling_params must be a spd_fast.SamplingParams, got {sp!r}")
+    clash = [k for k in _SAMPLING_FIELDS if k in bound.arguments]
+    if clash:
+        raise SpdConfigError(f"{', '.join(clash)} given both on its own and in sampling_params; pass the sampling "
+                             "settings one way")
+    for k in _SAMPLING_FIELDS:
+        bound.arguments[k] = getattr(sp, k)
+
+
 def _plain_numbers(fn):
     """Let numpy (or other numbers-ABC) scalars stand for ints and floats in the keyword settings:
-    they are turned into plain Python numbers before the checks and before they reach metrics/JSON."""
+    they are turned into plain Python numbers before the checks and before they reach metrics/JSON.
+    Also takes `sampling_params` apart (where the function has it) and names the function, and the nearest
+    parameter, for an unknown keyword (`max_tokens=` -> max_new_tokens)."""
     sig = inspect.signature(fn)
+    names = [k for k in sig.parameters if k != "self"]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind_partial(*args, **kwargs)
+        for k in kwargs:
+            if k not in sig.parameters:
+                near = difflib.get_close_matches(k, names, n=1, cutoff=0.6)
+                raise TypeError(f"{fn.__qualname__}() got an unexpected keyword argument {k!r}"
+                                + (f"; did you mean {near[0]!r}?" if near else ""))
+        try:
+            bound = sig.bind_partial(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{fn.__qualname__}(): {e}") from None
+        if "sampling_params" in sig.parameters:
+            _take_sampling_params(bound)
         for k, v in bound.arguments.items():
             if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real):
                 continue
@@ -192,10 +226,11 @@ class Engine:
     @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
-                 eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None
-                 ) -> GenerationOutput | list[GenerationOutput]:
+                 eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | None = None) -> GenerationOutput | list[GenerationOutput]:
         """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id). stop: strings that
-        end the answer when its text contains one (the text is cut before it, as vLLM does)."""
+        end the answer when its text contains one (the text is cut before it, as vLLM does). sampling_params: a
+        SamplingParams in place of temperature, top_k, top_p and seed."""
         prompts, single = _as_batch(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
@@ -221,7 +256,8 @@ class Engine:
     @_plain_numbers
     def stream(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, method: str = "spd", eos_ids: Sequence[int] = (),
-               stop: str | Sequence[str] | None = None) -> Iterator[str]:
+               stop: str | Sequence[str] | None = None, sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
         """Yield verified text as it is committed (held back while a multi-byte character is incomplete, or
         while it could be the start of a stop string). Bad arguments raise here, before the first chunk is asked
         for."""
@@ -247,7 +283,14 @@ class Engine:
         self.target.model.setup_caches(1, self.max_len)
 
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
-        """The KV cache check each decoder makes when it starts, made up front for every prompt of a call."""
+        """The KV cache check each decoder makes when it starts, made up front for every prompt of a call, and
+        the model's own context length (as vLLM refuses a request past max_model_len)."""
+        ctx = self.target.cfg.max_position_embeddings
+        if len(ids) + max_new_tokens > ctx:
+            raise SpdConfigError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens={max_new_tokens} is longer than this model's "
+                f"context of {ctx} positions (max_position_embeddings); shorten the prompt or lower max_new_tokens "
+                f"to at most {max(ctx - len(ids), 0)}")
         self._own_caches()
         if method == "spd":
             extra = self.num_stages + 1  # the in-flight slots
@@ -477,19 +520,20 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None,
              method: str = "spd", model: str | None = None, draft: str | None = None,
              dtype: str = "float32", max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP,
-             device: str = "cpu", eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None
-             ) -> GenerationOutput | list[GenerationOutput] | None:
+             device: str = "cpu", eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None,
+             sampling_params: SamplingParams | None = None) -> GenerationOutput | list[GenerationOutput] | None:
     """Generate with SPD (method="spd") or the plain autoregressive baseline (method="ar").
     prompt: a str (raw text), a list of {"role", "content"} messages (chat template), a list of token ids, or a
     list of such prompts (one output each). eos_ids: stop tokens besides the model's own; stop: strings that end
-    the answer (its text is cut before the first one). The engine is loaded once per set of settings (see load()).
+    the answer (its text is cut before the first one); sampling_params: a SamplingParams in place of temperature,
+    top_k, top_p and seed. The engine is loaded once per set of settings (see load()).
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _as_batch(prompt)
     check_lookup(lookup)
-    check_eos_ids(eos_ids, sys.maxsize)  # the form now, the range once the model is known
+    check_eos_ids(eos_ids, None)  # the form now, the range once the model is known
     check_stop(stop, placement)
     eng = _cached_engine(method, model=model, draft=draft, num_stages=num_stages, dtype=dtype, max_len=max_len,
                          placement=placement, lookup=lookup, device=device)
@@ -501,7 +545,8 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
            max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local",
-           eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None) -> Iterator[str]:
+           eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None,
+           sampling_params: SamplingParams | None = None) -> Iterator[str]:
     """Yield the verified text of one prompt as it is committed; the settings and the cached engine are
     generate()'s (placement="distributed" does not stream)."""
     _check_method(method)
@@ -509,7 +554,7 @@ def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, t
     check_max_new_tokens(max_new_tokens)
     _check_single(prompt)
     check_lookup(lookup)
-    check_eos_ids(eos_ids, sys.maxsize)
+    check_eos_ids(eos_ids, None)
     check_stop(stop)
     if placement == "distributed":
         raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -42,8 +43,9 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int,
                                  f"(integers 0..{vocab_size - 1}); {fix}")
 
 
-def check_eos_ids(eos_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """Extra stop tokens must be token ids of the model (one it can never produce would silently never stop)."""
+def check_eos_ids(eos_ids: Sequence[int], vocab_size: int | None) -> tuple[int, ...]:
+    """Extra stop tokens must be token ids of the model (one it can never produce would silently never stop).
+    vocab_size None (the model not loaded yet): only that they are integers >= 0."""
     if not isinstance(eos_ids, (list, tuple)):
         raise SpdConfigError(f"eos_ids must be a list of token ids, got {eos_ids!r}")
     out = []
@@ -52,8 +54,9 @@ def check_eos_ids(eos_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
             v = operator.index(t)
         except TypeError:
             v = -1
-        if isinstance(t, bool) or not 0 <= v < vocab_size:
-            raise SpdConfigError(f"eos id {t!r} is not a token id of this model (integers 0..{vocab_size - 1}); "
+        if isinstance(t, bool) or not 0 <= v < (sys.maxsize if vocab_size is None else vocab_size):
+            span = "an integer >= 0" if vocab_size is None else f"integers 0..{vocab_size - 1}"
+            raise SpdConfigError(f"eos id {t!r} is not a token id of this model ({span}); "
                                  "pass stop token ids from this model's tokenizer")
         out.append(v)
     return tuple(out)

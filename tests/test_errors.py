@@ -879,3 +879,64 @@ def test_gguf_suffix_in_any_case(tmp_path, monkeypatch):
     (tmp_path / "m.bin").write_bytes(b"x")
     with pytest.raises(SpdConfigError, match=r"m.bin is a file but not a .gguf"):
         store.resolve_model_dir(tmp_path / "m.bin")
+
+
+def test_sampling_params_object_and_unknown_keywords(default_target, monkeypatch):
+    """vLLM users pass SamplingParams and spell the token budget max_tokens: the object is taken apart, a
+    clash or a misplaced one is named, and an unknown keyword names the function and the nearest parameter."""
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    sp = SamplingParams(temperature=0.8, top_k=4, seed=3)
+    ref = eng.generate("Hi", max_new_tokens=6, temperature=0.8, top_k=4, seed=3)
+    assert eng.generate("Hi", 6, sampling_params=sp).token_ids == ref.token_ids
+    assert "".join(eng.stream("Hi", 6, sampling_params=sp)) == ref.text
+    with pytest.raises(SpdConfigError, match="temperature, seed given both on its own and in sampling_params"):
+        eng.generate("Hi", 6, temperature=0.5, seed=1, sampling_params=sp)
+    with pytest.raises(SpdConfigError, match=r"max_new_tokens \(the second argument\) got a SamplingParams; pass "
+                                             r"it as sampling_params=SamplingParams\(\.\.\.\)"):
+        eng.generate("Hi", sp)
+    with pytest.raises(SpdConfigError, match="sampling_params must be a spd_fast.SamplingParams, got"):
+        eng.generate("Hi", 6, sampling_params={"temperature": 0.5})
+    with pytest.raises(TypeError, match=r"Engine.generate\(\) got an unexpected keyword argument 'max_tokens'; "
+                                        r"did you mean 'max_new_tokens'\?"):
+        eng.generate("Hi", max_tokens=4)
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'zzz'$"):
+        spd_fast.generate("Hi", zzz=1)
+    with pytest.raises(TypeError, match=r"^stream\(\): too many positional arguments"):
+        spd_fast.stream("Hi", *range(20))
+    # the module-level functions hand the settings on to the cached engine
+    seen = {}
+
+    class Fake:
+        def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, method, **kw):
+            seen.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    monkeypatch.setattr("spd_fast.api._cached_engine", lambda *a, **kw: Fake())
+    spd_fast.generate("Hi", sampling_params=SamplingParams(temperature=0.7, top_p=0.9, seed=2))
+    assert seen == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 2}
+
+
+def test_a_request_past_the_models_context_is_refused(default_target):
+    from spd_fast.api import Engine
+    from test_engine import random_head
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 9000, "random")
+    ids = default_target.encode("Hi")
+    with pytest.raises(SpdConfigError, match=rf"the prompt \({len(ids)} tokens\) plus max_new_tokens=8192 is longer "
+                                             r"than this model's context of 8192 positions \(max_position_embeddings\);"
+                                             rf" shorten the prompt or lower max_new_tokens to at most {8192 - len(ids)}"):
+        eng.generate("Hi", 8192)
+    with pytest.raises(SpdConfigError, match="longer than this model's context of 8192"):
+        eng.stream("Hi", 8192, method="ar")
+
+
+def test_eos_ids_are_checked_for_form_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr("spd_fast.api._cached_engine", lambda *a, **kw: pytest.fail("loaded a model"))
+    for fn in (spd_fast.generate, spd_fast.stream):
+        with pytest.raises(SpdConfigError, match=r"^eos id 'a' is not a token id of this model \(an integer >= 0\); "
+                                                 "pass stop token ids"):
+            fn("hi", eos_ids=[2, "a"])
