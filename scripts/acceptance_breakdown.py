@@ -46,7 +46,7 @@ def main() -> int:
         print(f"recorded counts {c['overall']} differ from the engine's {res['engine']}: a bug", file=sys.stderr)
         return 1
     res["meta"] = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(), "num_stages": a.num_stages,
-                   "draft": eng.draft_source, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
+                   "draft": eng.draft_source, "draft_digest": eng.draft_digest, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
                    "lookup": a.lookup, "temperature": 0.0, "seconds": round(time.time() - t0, 1)}
     lines = ["| drafts | verified | accepted | acceptance | share of verified |", "|---|---|---|---|---|"]
     total = c["overall"]["verified"]

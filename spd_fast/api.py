@@ -160,6 +160,8 @@ class Engine:
         self.num_stages = len(boundaries) - 1
         self.max_len = max_len
         self.draft_source = draft_source
+        # which head ran (its weights and calibration files), for result files: "random" for a random head
+        self.draft_digest = getattr(head, "digest", "random") if head is not None else None
         self.placement = placement
         target.model.setup_caches(1, max_len)
         anchors = head.dcfg.anchors if head is not None else None

@@ -165,7 +165,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                              f"from the prefill, before any draft is verified), got {max_new_tokens!r}")
     prompts = load_eval_prompts(categories, limit)
     rows: list[dict[str, Any]] = []
-    sources = []
+    sources, digests = [], []
     ar_runs: dict[tuple[float, str, int], tuple[list[int], float, int]] = {}  # (temp, cat, i) -> AR result
     for k, n in enumerate(num_stages):
         with warnings.catch_warnings(record=True) as caught:
@@ -182,6 +182,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             for m in num_stages:
                 validate_num_stages(eng.target.cfg.num_layers, m)
         sources.append(eng.draft_source)
+        digests.append(eng.draft_digest)
         fingerprint = eng.target.fingerprint
         for temp in temperatures:
             per_cat, per_prompt = {}, {}
@@ -218,7 +219,8 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     from .runtime import cpu_name
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "draft": sources[0] if len(set(sources)) == 1 else sources, "max_new_tokens": max_new_tokens,
+            "draft": sources[0] if len(set(sources)) == 1 else sources,
+            "draft_digest": digests[0] if len(set(digests)) == 1 else digests, "max_new_tokens": max_new_tokens,
             "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
             "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": str(dtype),
             "device": str(device), "placement": placement, "kernels": kernel_backend(), "max_len": max_len}

@@ -366,6 +366,19 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     return dcfg
 
 
+def head_digest(path: str | Path) -> str:
+    """The first 16 hex digits of a SHA-256 over a head directory's draft_config.json and its weights file:
+    which head (weights and calibration) a result came from, whatever the directory is called."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256((path / "draft_config.json").read_bytes())
+    with open(path / read_draft_config(path).weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
 def load_draft(path: str | Path, target, fingerprint: str,
                num_stages: int | None = None, boundaries: tuple[int, ...] | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
@@ -397,4 +410,5 @@ def load_draft(path: str | Path, target, fingerprint: str,
             head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab].float())
     if missing or unexpected:
         raise DraftMismatchError(f"{w_file} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    head.digest = head_digest(path)
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -209,6 +209,30 @@ def test_shipped_heads_for_n4_to_6_are_exact_and_draft_well(default_target, n):
     assert out.metrics["accepted"] >= 0.4 * out.metrics["verifications"], out.metrics
 
 
+def test_a_head_digest_names_its_weights_and_calibration(default_target, tmp_path):
+    """Result files record which head ran (draft_digest): the same files give the same digest under any name, the
+    n=4 and n=5 heads share weights but not calibration, and a changed calibration is another head."""
+    import json
+    import shutil
+
+    from spd_fast.api import Engine, shipped_head
+    from spd_fast.pdm import head_digest, load_draft
+
+    tg, net = default_target, default_target.model
+    d3, d4, d5 = (shipped_head(tg, n) for n in (3, 4, 5))
+    copy = shutil.copytree(d3, tmp_path / "renamed")
+    assert head_digest(copy) == head_digest(d3) and len(head_digest(d3)) == 16
+    assert len({head_digest(d3), head_digest(d4), head_digest(d5)}) == 3
+    cfg = json.loads((copy / "draft_config.json").read_text())
+    cfg["lookup_gate_ratio"] = 0.123
+    (copy / "draft_config.json").write_text(json.dumps(cfg))
+    assert head_digest(copy) != head_digest(d3)
+    head = load_draft(d3, net, tg.fingerprint, 3)
+    b = head.dcfg.boundaries
+    assert Engine(tg, head, b, 256, "shipped").draft_digest == head_digest(d3)
+    assert Engine(tg, random_head(net, b), b, 256, "random").draft_digest == "random"
+
+
 def test_stream_text_equals_generate_text_when_the_last_character_is_cut(default_target, monkeypatch):
     """stream() holds back an incomplete multi-byte character; when max_new_tokens cuts the answer inside one,
     the held-back rest still comes out at the end, so the chunks join to generate()'s text."""
