@@ -1,4 +1,4 @@
-"""Command line: `spd-fast {generate,bench,eval,train,info} ...` (also `python -m spd_fast`).
+"""Command line: `spd-fast {generate,bench,eval,serve,train,info} ...` (also `python -m spd_fast`).
 
 Each subcommand lives in a `cli_*.py` module; `train` forwards its arguments untouched to
 `python -m spd_fast.train`. Errors a user can fix exit with status 2 and one line naming the
@@ -14,15 +14,16 @@ _TRAIN_HELP = "train a draft head (PDM): self-distil, then train; `spd-fast trai
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__, cli_bench, cli_generate, cli_info
+    from . import __version__, cli_bench, cli_generate, cli_info, cli_serve
     from .cli_common import Parser
 
     p = Parser(prog="spd-fast", description="Speculative Pipeline Decoding runtime. "
                                 "Run `spd-fast <command> --help` for a command's options.")
     p.add_argument("--version", action="version", version=f"spd_fast {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,eval,train,distributed,info}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,eval,serve,train,distributed,info}")
     cli_generate.add_parser(sub)
     cli_bench.add_parsers(sub)
+    cli_serve.add_parser(sub)
     # listed for --help; main() hands `train ...` to spd_fast.train before argparse sees it
     sub.add_parser("train", help=_TRAIN_HELP, add_help=False)
     sub.add_parser("distributed", add_help=False,

@@ -323,10 +323,15 @@ class Engine:
                 yield text[len(shown):]
             shown = text
         # what was held back at the end (a character cut by max_new_tokens, the start of a stop string never finished)
-        text = visible(self.target.decode(toks), True)
+        full = self.target.decode(toks)
+        text = visible(full, True)
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown):]
         self.last_metrics = self._last[1]
+        # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage)
+        cut = checker.cut(full) if checker is not None else None
+        self.last_finish_reason = "eos" if self._last[0] else "stop" if cut is not None else "length"
+        self.last_token_ids = toks
 
 
 def _check_method(method: str) -> None:

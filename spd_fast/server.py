@@ -1,0 +1,288 @@
+"""`spd-fast serve`: an OpenAI-compatible HTTP server over one engine, on the standard library alone.
+
+    POST /v1/completions        {"prompt": str | [token ids], "max_tokens", "temperature", "top_p", "top_k",
+                                 "seed", "stop", "stream"}
+    POST /v1/chat/completions   {"messages": [{"role", "content"}], ...the same settings}
+    GET  /v1/models, GET /health
+
+SPD is a single-sequence latency method: one request decodes at a time and the others wait for the
+lock (no batching). With "stream": true the verified text goes out as server-sent events as it is
+committed, then `data: [DONE]`. Responses carry the usual `usage` and, beside it, `spd`: the decode's
+metrics (acceptance_rate, tokens_per_cycle, ...). Bad requests get HTTP 400 with an OpenAI-style
+`{"error": {"message", "type", "param", "code"}}` whose message names the problem and the fix.
+
+Defaults follow the OpenAI API: temperature 1.0, top_p 1.0, max_tokens 16 for /v1/completions and the
+room left in the KV cache for chat. `n` > 1, `logprobs`, `best_of`, penalties and `logit_bias` are refused
+by name rather than ignored.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+
+from .config import SpdConfigError
+
+# request fields this server refuses by name (silently ignoring them would return something else than asked)
+_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
+                "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
+                "tools": None, "response_format": None, "min_tokens": 0, "ignore_eos": False}
+_KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "seed", "stop", "stream", "stream_options", "user"} | set(_UNSUPPORTED)
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _number(body: dict, key: str, default: Any, kind: type) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)):
+        raise RequestError(400, f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}", key)
+    return kind(v)
+
+
+def _chat_prompt(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(400, f"messages[{i}] must be an object with a string \"role\"", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
+                                   "...}) are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class SpdServer:
+    """The request logic, apart from HTTP (tests call `complete` directly too)."""
+
+    def __init__(self, engine: Any, model_name: str, method: str = "spd"):
+        self.engine, self.model_name, self.method = engine, model_name, method
+        self.lock = threading.Lock()  # one sequence at a time: the engine has one KV cache
+        self.created = int(time.time())
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "spd_fast"}]}
+
+    def _settings(self, body: dict, chat: bool) -> tuple[Any, dict]:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - _KNOWN)
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)}; this server takes "
+                                    f"{', '.join(sorted(_KNOWN - set(_UNSUPPORTED)))}", unknown[0])
+        for key, neutral in _UNSUPPORTED.items():
+            if body.get(key, neutral) not in (neutral, None):
+                raise RequestError(400, f"{key}={body[key]!r} is not supported by spd_fast (one sequence, no "
+                                        f"penalties or log-probabilities); leave {key} out", key)
+        if body.get("model") not in (None, self.model_name):
+            raise RequestError(404, f"the model {body['model']!r} does not exist; this server serves "
+                                    f"{self.model_name!r} (GET /v1/models)", "model")
+        if chat:
+            prompt: Any = _chat_prompt(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                if len(prompt) > 1:
+                    raise RequestError(400, "one prompt per request: this server decodes a single sequence; send "
+                                            "the prompts as separate requests", "prompt")
+                prompt = prompt[0]
+            if not isinstance(prompt, (str, list)):
+                raise RequestError(400, "prompt must be a string or a list of token ids", "prompt")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None:
+            max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, int)
+        stop = body.get("stop")
+        kw = dict(temperature=_number(body, "temperature", 1.0, float), top_p=_number(body, "top_p", 1.0, float),
+                  top_k=_number(body, "top_k", 0, int), seed=_number(body, "seed", None, int),
+                  stop=[stop] if isinstance(stop, str) else stop or None, method=self.method)
+        if max_tokens is None:
+            max_tokens = self._room(prompt) if chat else 16
+        kw["max_new_tokens"] = max_tokens
+        return prompt, kw
+
+    def _room(self, prompt: Any) -> int:
+        """What is left of the KV cache (and the model's context) after the prompt and the in-flight slots."""
+        eng = self.engine
+        ids = eng.target.encode(prompt)
+        extra = eng.num_stages + 1 if self.method == "spd" else 4
+        return max(1, min(eng.max_len, eng.target.cfg.max_position_embeddings) - len(ids) - extra)
+
+    def _usage(self, prompt: Any, completion_tokens: int, metrics: dict) -> dict:
+        p = len(self.engine.target.encode(prompt))
+        spd = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        return {"usage": {"prompt_tokens": p, "completion_tokens": completion_tokens,
+                          "total_tokens": p + completion_tokens}, "spd": spd}
+
+    def complete(self, body: dict, chat: bool) -> dict:
+        prompt, kw = self._settings(body, chat)
+        with self.lock:
+            out = self.engine.generate(prompt, **kw)
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reason = _FINISH[out.finish_reason]
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason}
+                  if chat else {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason})
+        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice],
+                **self._usage(prompt, len(out.token_ids), out.metrics)}
+
+    def stream(self, body: dict, chat: bool) -> "EventStream":
+        """Checks the request before the first event (errors are plain 400 replies), then holds the engine until
+        the returned stream is exhausted or closed."""
+        prompt, kw = self._settings(body, chat)
+        self.lock.acquire()
+        try:
+            chunks = self.engine.stream(prompt, **kw)
+        except BaseException:
+            self.lock.release()
+            raise
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return EventStream(self._events(prompt, chunks, chat, usage), chunks, self.lock)
+
+    def _events(self, prompt: Any, chunks: Iterator[str], chat: bool, usage: bool) -> Iterator[dict]:
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+
+        def event(delta: str | None, reason: str | None = None, role: bool = False) -> dict:
+            if chat:
+                d: dict = {"role": "assistant"} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                return {**head, "choices": [{"index": 0, "delta": d, "finish_reason": reason}]}
+            return {**head, "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]}
+        if chat:
+            yield event(None, role=True)
+        for piece in chunks:
+            yield event(piece)
+        eng = self.engine
+        yield event(None if chat else "", _FINISH[eng.last_finish_reason])
+        if usage:
+            yield {**head, "choices": [], **self._usage(prompt, len(eng.last_token_ids), eng.last_metrics)}
+
+
+class EventStream:
+    """The chunks of one streamed request; close() (always called, also when the client left before the first
+    event) ends the decode and frees the engine for the next request."""
+
+    def __init__(self, events: Iterator[dict], chunks: Iterator[str], lock: threading.Lock):
+        self.events, self.chunks, self.lock, self.closed = events, chunks, lock, False
+
+    def __iter__(self) -> Iterator[dict]:
+        return self.events
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.events.close()
+            self.chunks.close()
+            self.lock.release()
+
+
+def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # one line per request on stderr, as http.server does
+            if not getattr(self.server, "quiet", False):
+                super().log_message(fmt, *args)
+
+        def _send(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _event(self, obj: dict) -> None:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            self.wfile.flush()
+
+        def _error(self, status: int, message: str, param: str | None = None) -> None:
+            kind = "invalid_request_error" if status < 500 else "internal_error"
+            self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/models":
+                self._send(200, server.models())
+            elif self.path == "/health":
+                self._send(200, {"status": "ok"})
+            else:
+                self._error(404, f"no route GET {self.path}; try GET /v1/models or POST /v1/chat/completions")
+
+        def do_POST(self) -> None:
+            routes = {"/v1/completions": False, "/v1/chat/completions": True}
+            if self.path not in routes:
+                self._error(404, f"no route POST {self.path}; use /v1/completions or /v1/chat/completions")
+                return
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(size) or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise RequestError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+                chat = routes[self.path]
+                if isinstance(body, dict) and body.get("stream"):
+                    events = server.stream(body, chat)
+                    try:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "text/event-stream")
+                        self.send_header("Cache-Control", "no-cache")
+                        self.send_header("Connection", "close")
+                        self.end_headers()
+                        self.close_connection = True
+                        try:
+                            for ev in events:
+                                self._event(ev)
+                        except (BrokenPipeError, ConnectionResetError):
+                            raise
+                        except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
+                            status = 400 if isinstance(e, SpdConfigError) else 500
+                            self._event({"error": {"message": f"{type(e).__name__}: {e}" if status == 500 else
+                                                   str(e), "type": "internal_error" if status == 500 else
+                                                   "invalid_request_error", "param": None, "code": status}})
+                        self.wfile.write(b"data: [DONE]\n\n")
+                        self.wfile.flush()
+                    finally:
+                        events.close()  # a client that left releases the engine at once
+                    return
+                self._send(200, server.complete(body, chat))
+            except RequestError as e:
+                self._error(e.status, str(e), e.param)
+            except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
+                self._error(400, str(e))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            except Exception as e:  # a bug: say so instead of dropping the connection
+                self._error(500, f"{type(e).__name__}: {e}")
+
+    return Handler
+
+
+def make_server(engine: Any, model_name: str, host: str = "127.0.0.1", port: int = 8000, method: str = "spd",
+                quiet: bool = False) -> ThreadingHTTPServer:
+    """A ThreadingHTTPServer bound to (host, port) (port 0 picks a free one: `server_address[1]`);
+    call serve_forever()."""
+    httpd = ThreadingHTTPServer((host, port), _handler(SpdServer(engine, model_name, method)))
+    httpd.daemon_threads = True
+    httpd.quiet = quiet  # type: ignore[attr-defined]
+    return httpd

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible server: its answers equal the engine's, streamed or not; bad requests get a 400 that names
+the problem; one request decodes at a time; a client that leaves mid-stream frees the engine."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from spd_fast.server import make_server
+
+CHAT = [{"role": "user", "content": "Name three primary colours."}]
+
+
+@pytest.fixture(scope="module")
+def served(default_target):
+    from spd_fast.api import Engine, shipped_head
+    from spd_fast.pdm import load_draft
+
+    tg = default_target
+    head = load_draft(shipped_head(tg, 3), tg.model, tg.fingerprint, 3)
+    eng = Engine(tg, head, head.dcfg.boundaries, 1024, "shipped")
+    httpd = make_server(eng, "smollm2", port=0, quiet=True)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield eng, httpd.server_address[1], httpd
+    httpd.shutdown()
+
+
+def request(port: int, method: str, path: str, body=None, raw: bytes | None = None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    text = r.read().decode()
+    c.close()
+    return r.status, r.getheader("Content-Type"), text
+
+
+def events(text: str) -> list:
+    out = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert out[-1] == "[DONE]"
+    return [json.loads(x) for x in out[:-1]]
+
+
+def test_completions_and_chat_equal_the_engine(served):
+    eng, port, _ = served
+    want = eng.generate("The capital of France is", 12, temperature=0.0)
+    status, ctype, text = request(port, "POST", "/v1/completions",
+                                  {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 12,
+                                   "temperature": 0})
+    r = json.loads(text)
+    assert status == 200 and ctype == "application/json", text
+    assert r["object"] == "text_completion" and r["model"] == "smollm2" and r["id"].startswith("cmpl-")
+    assert r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == len(want.token_ids) == 12
+    assert r["usage"]["prompt_tokens"] == want.prompt_tokens
+    assert r["usage"]["total_tokens"] == 12 + want.prompt_tokens
+    assert 0.0 <= r["spd"]["acceptance_rate"] <= 1.0 and r["spd"]["verifications"] > 0
+    want = eng.generate(CHAT, 40, temperature=0.7, seed=5, stop=["blue"])
+    status, _, text = request(port, "POST", "/v1/chat/completions",
+                              {"messages": CHAT, "max_tokens": 40, "temperature": 0.7, "seed": 5, "stop": "blue"})
+    r = json.loads(text)
+    assert status == 200 and r["object"] == "chat.completion"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert r["choices"][0]["finish_reason"] == ("length" if want.finish_reason == "length" else "stop")
+    # text parts, and the chat default max_tokens (the room left in the cache) ends at the model's end of turn
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three primary "},
+                                          {"type": "text", "text": "colours."}]}]
+    status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": parts, "temperature": 0})
+    r = json.loads(text)
+    assert status == 200 and r["choices"][0]["message"]["content"] == eng.generate(CHAT, 400).text
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_answers_equal_the_whole_answer(served):
+    eng, port, _ = served
+    want = eng.generate(CHAT, 24, temperature=0.0)
+    status, ctype, text = request(port, "POST", "/v1/chat/completions",
+                                  {"messages": CHAT, "max_tokens": 24, "temperature": 0, "stream": True,
+                                   "stream_options": {"include_usage": True}})
+    evs = events(text)
+    assert status == 200 and ctype == "text/event-stream"
+    assert evs[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(e["object"] == "chat.completion.chunk" for e in evs)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in evs if e["choices"]) == want.text
+    assert evs[-2]["choices"][0]["finish_reason"] == "length"
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == 24
+    status, _, text = request(port, "POST", "/v1/completions",
+                              {"prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0, "stream": True})
+    evs = events(text)
+    assert "".join(e["choices"][0]["text"] for e in evs) == eng.generate([1, 2, 3, 4], 6).text
+    assert evs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"prompt": "hi", "n": 2}, 400, r"n=2 is not supported by spd_fast .* leave n out"),
+    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs=3 is not supported"),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty=0.5 is not supported"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a number, got 'hot'"),
+    ({"prompt": "hi", "temperature": -1}, 400, r"temperature must be a finite number >= 0"),
+    ({"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens must be an integer, got 1.5"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_new_tokens must be an integer >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": 9000}, 400, "longer than this model's context of 8192"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"prompt": 5}, 400, "prompt must be a string or a list of token ids"),
+    ({"prompt": [1, 99999]}, 400, "prompt token 99999 at position 1 is not a token id of this model"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist; this server serves 'smollm2'"),
+    ({"prompt": "hi", "temprature": 0}, 400, r"unknown field\(s\) temprature; this server takes"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop must be a non-empty string or a list of non-empty strings"),
+])
+def test_bad_requests_name_the_problem(served, body, status, message):
+    import re
+
+    _, port, _ = served
+    got, _, text = request(port, "POST", "/v1/completions", body)
+    err = json.loads(text)["error"]
+    assert got == status and err["code"] == status and re.search(message, err["message"]), (got, text)
+    assert err["type"] == "invalid_request_error"
+    got, _, text = request(port, "POST", "/v1/completions", {**body, "stream": True})  # refused before streaming
+    assert got == status and re.search(message, json.loads(text)["error"]["message"])
+
+
+def test_routes_and_malformed_bodies(served):
+    _, port, _ = served
+    status, _, text = request(port, "GET", "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == "smollm2"
+    assert request(port, "GET", "/health")[0] == 200
+    status, _, text = request(port, "POST", "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "use /v1/completions or /v1/chat/completions" in json.loads(text)["error"]["message"]
+    status, _, text = request(port, "POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and "the request body is not valid JSON" in json.loads(text)["error"]["message"]
+    status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})
+    assert status == 400 and "messages[0].content must be a string" in json.loads(text)["error"]["message"]
+    status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": []})
+    assert status == 400 and "messages must be a non-empty list" in json.loads(text)["error"]["message"]
+
+
+def test_one_request_at_a_time_and_a_client_leaving_mid_stream_frees_the_engine(served):
+    eng, port, _ = served
+    want = eng.generate(CHAT, 16, temperature=0.0).text
+    results = []
+
+    def ask():
+        results.append(json.loads(request(port, "POST", "/v1/chat/completions",
+                                          {"messages": CHAT, "max_tokens": 16, "temperature": 0})[2]))
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [r["choices"][0]["message"]["content"] for r in results] == [want] * 3
+    # a streaming client that reads one event and hangs up
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/chat/completions", body=json.dumps({"messages": CHAT, "max_tokens": 200,
+                                                                "temperature": 0, "stream": True}))
+    r = c.getresponse()
+    assert r.fp.readline().startswith(b"data: ")
+    c.close()
+    status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16,
+                                                                     "temperature": 0})
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == want
+
+
+def test_serve_command(tmp_path):
+    """`spd-fast serve` loads the model, says where it listens, answers, and stops on Ctrl-C; a taken port is one
+    line before any model loads."""
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "spd_fast", "serve", "--port", "0", "--threads", "1", "--quiet"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.time() + 300
+        while "serving" not in line and time.time() < deadline and p.poll() is None:
+            line = p.stderr.readline()
+        m = re.search(r"serving 'SmolLM2-135M-Instruct' \(method spd, n=3, draft shipped:smollm2-135m-instruct-n3\) "
+                      r"on http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, line
+        status, _, text = request(int(m.group(1)), "POST", "/v1/chat/completions",
+                                  {"messages": CHAT, "max_tokens": 4, "temperature": 0})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+    finally:
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(60)
+    assert rc == 130 and "spd-fast: interrupted" in p.stderr.read()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        t = time.time()
+        r = subprocess.run([sys.executable, "-m", "spd_fast", "serve", "--port", str(port)], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert r.returncode == 2 and time.time() - t < 60
+    assert re.fullmatch(rf"spd-fast: error: cannot listen on 127\.0\.0\.1:{port} \(.+\); pick another --port, or stop "
+                        r"the process using it\n", r.stderr), r.stderr
