@@ -93,6 +93,9 @@ class SpdServer:
             if body.get(key, neutral) not in (neutral, None):
                 raise RequestError(400, f"{key}={body[key]!r} is not supported by spd_fast (one sequence, no "
                                         f"penalties or log-probabilities); leave {key} out", key)
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise RequestError(400, "stream_options must be an object like {\"include_usage\": true}, got "
+                                    f"{body['stream_options']!r}", "stream_options")
         if body.get("model") not in (None, self.model_name):
             raise RequestError(404, f"the model {body['model']!r} does not exist; this server serves "
                                     f"{self.model_name!r} (GET /v1/models)", "model")
@@ -148,13 +151,14 @@ class SpdServer:
         """Checks the request before the first event (errors are plain 400 replies), then holds the engine until
         the returned stream is exhausted or closed."""
         prompt, kw = self._settings(body, chat)
+        opts = body.get("stream_options") or {}
         self.lock.acquire()
         try:
             chunks = self.engine.stream(prompt, **kw)
         except BaseException:
             self.lock.release()
             raise
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage = bool(opts.get("include_usage"))
         return EventStream(self._events(prompt, chunks, chat, usage), chunks, self.lock)
 
     def _events(self, prompt: Any, chunks: Iterator[str], chat: bool, usage: bool) -> Iterator[dict]:

@@ -109,6 +109,7 @@ def test_streamed_answers_equal_the_whole_answer(served):
     ({"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist; this server serves 'smollm2'"),
     ({"prompt": "hi", "temprature": 0}, 400, r"unknown field\(s\) temprature; this server takes"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop must be a non-empty string or a list of non-empty strings"),
+    ({"prompt": "hi", "stream_options": "usage"}, 400, "stream_options must be an object"),
 ])
 def test_bad_requests_name_the_problem(served, body, status, message):
     import re
