@@ -54,7 +54,7 @@ def run(policy: str, data: Path, out: Path, a) -> dict:
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     res["cache_s"] = next(x["seconds"] for x in log if "feature_cache" in x)
     steps = [x for x in log if "tokens_per_s" in x]
-    res["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in steps)
+    res["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in steps[1:] or steps)  # not step 1 alone
     res["losses"] = [round(x["loss"], 6) for x in steps]
     return res
 

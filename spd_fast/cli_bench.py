@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_common import (_int_at_least, add_model_options, apply_runtime_options, check_output, float_list, int_list,
-                         load_engine, positive_int, write_output)
+from .cli_common import (DefaultsFormatter, _int_at_least, add_model_options, apply_runtime_options, check_output,
+                         cli_warning, float_list, int_list, load_engine, positive_int, write_output)
 from .evaluate import CATEGORIES, add_spd_metrics, kernel_backend
 
 # the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
@@ -19,15 +19,18 @@ decode_tokens = _int_at_least(2, "an integer >= 2 (the first token comes from th
 def add_parsers(sub: Any) -> None:
     b = sub.add_parser("bench", help="AR vs SPD decode speed for several n, measured in the same run",
                        description="Decode a small prompt set with the AR baseline once and with SPD for each n; "
-                       "report tokens/s, acceptance, tokens/cycle and the ratio to AR.")
+                       "report tokens/s, acceptance, tokens/cycle and the ratio to AR.",
+                       formatter_class=DefaultsFormatter)
     b.add_argument("--num-stages", "-n", type=int_list, default=[2, 3], help="comma-separated n (default: 2,3)")
     b.add_argument("--prompts", type=positive_int, default=1,
                    help="held-out prompts per category (chat, math, code; default: 1)")
     b.add_argument("--prompt", action="append", default=[], help="use this user message instead (repeatable)")
-    b.add_argument("--max-new-tokens", type=decode_tokens, default=32)
+    b.add_argument("--max-new-tokens", type=decode_tokens, default=32,
+                   help="new tokens per answer (the first comes from the prefill)")
     b.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     b.add_argument("--repeats", type=positive_int, default=1, help="decode each prompt this many times")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy, where SPD is checked against AR")
     add_model_options(b)
     b.add_argument("--out", help="also write the JSON result here (e.g. bench/results/bench.json)")
     b.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
@@ -35,11 +38,13 @@ def add_parsers(sub: Any) -> None:
 
     e = sub.add_parser("eval", help="acceptance tables on the held-out prompt sets (chat / math / code)",
                        description="Acceptance rate, tokens/cycle, equivalent accept length per category and "
-                       "overall, and SPD vs AR tokens/s (AR measured for the first n).")
+                       "overall, and SPD vs AR tokens/s (AR measured for the first n). The README's acceptance table "
+                       "used --limit 20 --max-new-tokens 64.", formatter_class=DefaultsFormatter)
     e.add_argument("--num-stages", "-n", type=int_list, default=[3], help="comma-separated n (default: 3)")
     e.add_argument("--temperatures", type=float_list, default=[0.0], help="comma-separated (default: 0)")
     e.add_argument("--limit", type=positive_int, default=40, help="prompts per category (default: 40)")
-    e.add_argument("--max-new-tokens", type=decode_tokens, default=96)
+    e.add_argument("--max-new-tokens", type=decode_tokens, default=96,
+                   help="new tokens per answer (the first comes from the prefill)")
     e.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
                    help=f"comma-separated subset of {','.join(CATEGORIES)}")
@@ -130,15 +135,19 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
 
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | n | tok/s | ms/token | acceptance | tokens/cycle | equiv. accept length | ms/cycle | vs AR |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The printed table; "identical to AR" is greedy SPD's token-for-token check (- when sampling: none)."""
+    lines = ["| method | n | tok/s | ms/token | acceptance | tokens/cycle | equiv. accept length | ms/cycle | vs AR "
+             "| identical to AR |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["method"] == "ar":
-            lines.append(f"| AR | - | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | - | - | - | - | 1.00x |")
+            lines.append(f"| AR | - | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | - | - | - | - | 1.00x | - |")
         else:
+            same = {True: "yes", False: "NO"}.get(r.get("identical_to_ar"), "-")
             lines.append(f"| SPD | {r['n']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | "
                          f"{r['acceptance_rate']:.3f} | {r['tokens_per_cycle']:.3f} | "
-                         f"{r['equivalent_accept_length']:.2f} | {r['ms_per_cycle']:.1f} | {r['speedup_vs_ar']:.2f}x |")
+                         f"{r['equivalent_accept_length']:.2f} | {r['ms_per_cycle']:.1f} | {r['speedup_vs_ar']:.2f}x "
+                         f"| {same} |")
     return "\n".join(lines)
 
 
@@ -182,7 +191,8 @@ def run_eval_cli(args: argparse.Namespace) -> int:
                               device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup,
                               placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None,
                               max_len=args.max_len,
-                              on_warning=lambda m: args.json or print(f"spd-fast: warning: {m}", file=sys.stderr))
+                              on_warning=lambda m: args.json or print(f"spd-fast: warning: {cli_warning(m)}",
+                                                                      file=sys.stderr))
     if args.json:
         print(json.dumps(res))
     else:

@@ -112,8 +112,14 @@ float_list = _list_of(float, "0,0.7")
 # The Python API's spellings in the fixes errors suggest -> the command line's flags
 # (the flag a rewrite needs, the API's spelling, the flag's spelling)
 _CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
+              ("--num-stages", re.compile(r"\bpass num_stages=(\d+)"), r"pass --num-stages \1"),  # distributed: no -n
+              ("-n", re.compile(r"\buse num_stages=(\d+)"), r"use -n \1"),
+              ("--num-stages", re.compile(r"\buse num_stages=(\d+)"), r"use --num-stages \1"),
               ("--draft", re.compile(r"draft='random'"), "--draft random"),
               ("--draft", re.compile(r"draft=None for the shipped head"), "no --draft for the shipped head"),
+              ("--dtype", re.compile(r"\buse dtype='float32' \(the default\)"),
+               "drop --dtype (float32 is the default)"),
+              ("--dtype", re.compile(r"\bdtype='(\w+)'"), r"--dtype \1"),
               ("--max-len", re.compile(r"\b(larger|smaller) max_len\b"), r"\1 --max-len"),
               ("--anchors", re.compile(r"\bomit anchors\b"), "omit --anchors"),
               ("--draft-layers", re.compile(r"\bomit draft_layers\b"), "omit --draft-layers"),
@@ -130,18 +136,35 @@ _CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
               ("--limit", re.compile(r"\buse a limit of at most (\d+)"), r"use --limit \1 or fewer")]
 
 
-def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, command: str | None = None) -> str:
-    """An error's text with the fixes it suggests spelt as the flags of `parser` (or of its subcommand
-    `command`); a fix whose flag that command lacks keeps the API's wording."""
-    if command is not None:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = sub.choices[command]
-    flags = set(parser._option_string_actions)
-    text = str(error)
+# the module a fix names -> its `spd-fast` subcommand, in the messages of `spd-fast` itself
+_CLI_COMMANDS = [(re.compile(r"\bpython -m spd_fast\.train(?![.\w])"), "spd-fast train")]
+
+
+def _cli_words(text: str, flags: set[str], spd_fast: bool) -> str:
     for flag, pattern, repl in _CLI_WORDS:
         if flag in flags:
             text = pattern.sub(repl, text)
+    for pattern, repl in _CLI_COMMANDS if spd_fast else ():
+        text = pattern.sub(repl, text)
     return text
+
+
+def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, command: str | None = None) -> str:
+    """An error's text with the fixes it suggests spelt as the flags of `parser` (or of its subcommand
+    `command`); a fix whose flag that command lacks keeps the API's wording. In `spd-fast`'s own messages
+    the commands it suggests are its subcommands (`python -m spd_fast.train` -> `spd-fast train`)."""
+    if command is not None:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[command]
+    return _cli_words(str(error), set(parser._option_string_actions), parser.prog.split()[0] == "spd-fast")
+
+
+def cli_warning(text: str) -> str:
+    """A load warning as `spd-fast generate`/`bench`/`eval` print it: fixes spelt as their model options
+    (add_model_options), commands as `spd-fast` subcommands."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_options(p)
+    return _cli_words(text, set(p._option_string_actions), True)
 
 
 def result_paths(out: str | Path) -> tuple[Path, Path]:
@@ -246,9 +269,10 @@ def our_warnings(caught: list) -> list:
 
 
 def print_warnings(caught: list) -> None:
-    """spd_fast's own warnings as one stderr line each; library chatter is dropped."""
+    """spd_fast's own warnings as one stderr line each, fixes spelt as flags (cli_warning); library chatter is
+    dropped."""
     for w in our_warnings(caught):
-        print(f"spd-fast: warning: {w.message}", file=sys.stderr)
+        print(f"spd-fast: warning: {cli_warning(str(w.message))}", file=sys.stderr)
 
 
 def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:

@@ -6,13 +6,14 @@ import json
 import sys
 from typing import Any
 
-from .cli_common import add_model_options, apply_runtime_options, load_engine, non_negative_int, positive_int
+from .cli_common import (DefaultsFormatter, add_model_options, apply_runtime_options, load_engine, non_negative_int,
+                         positive_int)
 
 
 def add_parser(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate text (streams verified tokens, then a summary line)",
                        description="Generate with SPD (or the AR baseline). Text streams to stdout as it is "
-                       "verified; the summary line goes to stderr.")
+                       "verified; the summary line goes to stderr.", formatter_class=DefaultsFormatter)
     g.add_argument("prompt", nargs="?", help="raw text prompt (no chat template)")
     g.add_argument("--user", action="append", default=[], help="a user message (repeatable; chat template)")
     g.add_argument("--system", help="a system message (with --user)")
@@ -20,7 +21,7 @@ def add_parser(sub: Any) -> None:
                    help="spd (default) or ar, the plain autoregressive baseline")
     g.add_argument("--num-stages", "-n", type=positive_int, default=None,
                    help="pipeline stages n (default: the --draft head's own n, else 3)")
-    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -51,8 +52,9 @@ def _prompt(args: argparse.Namespace) -> Any:
     raise SpdConfigError("give a prompt: a positional string or --user 'message' (chat template)")
 
 
-def summary_line(m: dict[str, float], method: str, num_stages: int, draft: str) -> str:
-    line = f"-- {int(m['new_tokens'])} tokens, {m['tokens_per_second']:.1f} tok/s decode"
+def summary_line(m: dict[str, float], method: str, num_stages: int, draft: str, finish_reason: str) -> str:
+    line = (f"-- {int(m['new_tokens'])} tokens (finish_reason={finish_reason}), "
+            f"{m['tokens_per_second']:.1f} tok/s decode")
     if method == "spd" and not m["verifications"]:  # the answer ended before any draft was verified
         line += f", no draft verified (n={num_stages}, draft {draft})"
     elif method == "spd":
@@ -90,5 +92,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(summary_line(eng.last_metrics, args.method, eng.num_stages, eng.draft_source), file=sys.stderr)
+    print(summary_line(eng.last_metrics, args.method, eng.num_stages, eng.draft_source, eng.last_finish_reason),
+          file=sys.stderr)
     return 0

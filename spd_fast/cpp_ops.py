@@ -2,8 +2,8 @@
 
 `available()` builds once per process (a cached build loads in well under a second); without a
 compiler, or when the build fails, it warns once and returns False, and `spd_fast.kernels` falls
-back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR/spd_fast, else ~/.cache/spd_fast/cpp, one
-subdirectory per CPU kind (machine and instruction-set flags).
+back to the PyTorch twins. Build cache: $TORCH_EXTENSIONS_DIR/spd_fast, else `cpp` under spd_fast's cache
+($SPD_FAST_CACHE, default ~/.cache/spd_fast), one subdirectory per CPU kind (machine and instruction-set flags).
 
 Concurrent builders (several ranks starting at once) queue on an flock in the build directory.
 torch's own build lock is a plain file that a killed builder leaves behind, after which every later
@@ -31,8 +31,10 @@ _state: dict[str, object] = {}
 def build_dir() -> Path:
     """One build per CPU kind: the ops are compiled with -march=native, so a build made on an AVX-512 host
     would die of an illegal instruction on an AVX2 host sharing the same home directory or image."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    base = Path(root) / "spd_fast" if root else Path.home() / ".cache" / "spd_fast" / "cpp"
+    from .store import cache_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own setting for where extensions build comes first
+    base = Path(root) / "spd_fast" if root else cache_root() / "cpp"
     return base / _cpu_key()
 
 

@@ -122,14 +122,16 @@ def _eos_ids(path: Path, cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
 
 
 def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-                device: str | torch.device = "cpu", progress: bool = True) -> Target:
+                device: str | torch.device = "cpu", progress: bool = True, warn_dtype: bool = True) -> Target:
+    """warn_dtype: warn when a dtype other than fp32 on CPU turns off the packed decode path (packed.maybe_attach);
+    training passes False (it does not decode through it)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_dir(model, progress=progress)
     net = load_hf_dir(path, parse_dtype(dtype), device)
     from .packed import enable_fused_ops, maybe_attach
 
-    maybe_attach(net, path)  # GGUF models decode from their packed Q4_1/Q8_0 blocks (packed.py)
+    maybe_attach(net, path, warn_dtype)  # GGUF models decode from their packed Q4_1/Q8_0 blocks (packed.py)
     enable_fused_ops(net)
     try:
         tok = AutoTokenizer.from_pretrained(str(path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,37 @@ def test_generate_streams_then_summary(capsys):
         assert word in summary
 
 
+def test_generate_summary_names_the_finish_reason(capsys):
+    """The summary line says why the answer ended, as --json's finish_reason does: length, eos or stop."""
+    base = ["generate", "Count: 1, 2, 3,", "--max-new-tokens", "12", "--threads", "1"]
+    rc, out, _ = run_cli(base + ["--json"], capsys)
+    full = json.loads(out)
+    assert full["finish_reason"] == "length"
+    for extra, reason, tokens in [([], "length", 12), (["--eos-id", str(full["token_ids"][4])], "eos", 5),
+                                  (["--stop", full["text"][5:8]], "stop", None)]:
+        rc, out, err = run_cli(base + extra, capsys)
+        summary = err.strip().splitlines()[-1]
+        assert rc == 0 and f"tokens (finish_reason={reason})," in summary, (extra, err)
+        assert tokens is None or summary.startswith(f"-- {tokens} tokens"), summary
+        rc, out, _ = run_cli(base + extra + ["--json"], capsys)
+        assert json.loads(out)["finish_reason"] == reason
+    rc, _, err = run_cli(base + ["--method", "ar", "--max-new-tokens", "3"], capsys)
+    assert rc == 0 and err.strip().splitlines()[-1].startswith("-- 3 tokens (finish_reason=length), "), err
+
+
+def test_cli_doc_shows_generate_output_as_it_is(capsys):
+    """docs/CLI.md's --json key list and its example summary line are those of a real run of its first command."""
+    doc = (REPO / "docs" / "CLI.md").read_text()
+    argv = ["generate", "--user", "Explain photosynthesis in simple terms.", "--threads", "1", "--max-new-tokens", "8"]
+    rc, out, _ = run_cli(argv + ["--json"], capsys)
+    keys = re.search(r"`--json` prints `\{([^}]*)\}`", doc).group(1)
+    assert [k.strip(' "\n') for k in keys.split(",")] == list(json.loads(out))
+    rc, _, err = run_cli(argv, capsys)
+    shape = lambda line: re.sub(r"\d+(\.\d+)?", "N", line)  # noqa: E731  (the numbers vary)
+    example = next(ln for ln in doc.splitlines() if ln.startswith("-- ") and "tok/s decode" in ln)
+    assert rc == 0 and shape(example) == shape(err.strip().splitlines()[-1]), (example, err)
+
+
 # ---- bench / eval --------------------------------------------------------------------------------
 def test_bench_json_several_n(capsys, tmp_path):
     rc, out, err = run_cli(["bench", "-n", "2,3", "--prompt", "Hi", "--max-new-tokens", "4", "--draft", "random",
@@ -93,6 +125,22 @@ def test_bench_exits_1_when_spd_differs_from_ar(capsys, monkeypatch, as_json):
     assert run_cli(["bench", "--max-new-tokens", "4"] + (["--json"] * as_json), capsys)[0] == 0
 
 
+def test_bench_table_says_whether_spd_was_identical_to_ar(capsys):
+    """The printed table has the identical_to_ar check of the JSON: yes / NO for greedy rows, - when sampling."""
+    from spd_fast.cli_bench import bench_table
+
+    rc, out, err = run_cli(["bench", "-n", "2", "--prompt", "Hi", "--max-new-tokens", "4", "--draft", "random",
+                            "--threads", "1"], capsys)
+    assert rc == 0, err
+    header, _, ar, spd = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert header.endswith("| vs AR | identical to AR |") and ar.endswith("| 1.00x | - |") and spd.endswith("| yes |")
+    row = {"method": "spd", "n": 2, "tokens_per_s": 1.0, "ms_per_token": 1.0, "acceptance_rate": 0.5,
+           "tokens_per_cycle": 0.5, "equivalent_accept_length": 1.0, "ms_per_cycle": 1.0, "speedup_vs_ar": 0.5}
+    lines = bench_table([{**row, "identical_to_ar": False}, row]).splitlines()
+    assert lines[2].endswith("| NO |") and lines[3].endswith("| - |")  # a sampled run has no check
+    assert all(ln.count("|") == lines[0].count("|") for ln in lines)
+
+
 def test_eval_json_and_files(capsys, tmp_path):
     rc, out, err = run_cli(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft", "random", "--json",
                             "--out", str(tmp_path / "acc")], capsys)
@@ -122,7 +170,8 @@ def test_eval_rows_pool_the_answers_counts(monkeypatch):
     counts = iter([(4, 2), (6, 6), (2, 0)] * 2)
 
     class Fake:
-        draft_source, target = "fake", SimpleNamespace(cfg=SimpleNamespace(num_layers=30), fingerprint="f")
+        draft_source, draft_digest = "fake", "fake"
+        target = SimpleNamespace(cfg=SimpleNamespace(num_layers=30), fingerprint="f")
 
         def generate(self, msgs, max_new_tokens, temperature, seed, method):
             ids, (ver, acc) = next(answers), next(counts)
@@ -489,10 +538,103 @@ def test_errors_name_command_line_flags(capsys):
     assert cli_message(msg, build_parser(), "bench") == \
         "omit anchors (a trained head brings its own) or use --draft random; no --draft for the shipped head"
     assert cli_message("omit anchors", distributed_parser()) == "omit --anchors"
-    # only the flags the command has: info has no --max-len, the distributed CLI no -n
+    # only the flags the command has: info has no --max-len, the distributed CLI no --kernels
     assert cli_message("load with a larger max_len", build_parser(), "info") == "load with a larger max_len"
     assert cli_message("load with a larger max_len", build_parser(), "bench") == "load with a larger --max-len"
-    assert cli_message("pass num_stages=3, or draft='random'", distributed_parser()) == "pass num_stages=3, or --draft random"
+    assert cli_message("use backend='cpp'", distributed_parser()) == "use backend='cpp'"  # it has no --kernels
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "eval", "distributed"])
+def test_help_shows_every_default(command, capsys):
+    """Every option with a default says it in --help (--max-new-tokens had none)."""
+    import argparse
+
+    from spd_fast.__main__ import build_parser
+    from spd_fast.distributed.__main__ import build_parser as distributed_parser
+
+    if command == "distributed":
+        parser = distributed_parser()
+    else:
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[command]
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
+            fmt = parser._get_formatter()
+            fmt.add_argument(action)
+            assert "default" in fmt.format_help(), (command, action.option_strings)
+    rc, out, _ = run_cli([command, "--help"], capsys)
+    want = {"generate": 64, "bench": 32, "eval": 96, "distributed": 64}[command]
+    flat = " ".join(out.split())
+    assert rc == 0 and re.search(rf"--max-new-tokens MAX_NEW_TOKENS [^-]*\(default: {want}\)", flat), out
+
+
+def test_cli_doc_names_the_eval_settings_of_the_readme_table():
+    doc = " ".join((REPO / "docs" / "CLI.md").read_text().split())
+    assert "`spd-fast eval --limit 20 --max-new-tokens 64` reproduces it" in doc
+
+
+def test_fixes_name_the_command_line_num_stages_and_train_command(capsys, tiny_checkpoint):
+    """`use num_stages=3` is `--num-stages 3` in the distributed CLI (-n 3 in spd-fast's); a head of another
+    model is to be trained with `spd-fast train` in spd-fast's own messages."""
+    from spd_fast.__main__ import build_parser
+    from spd_fast.cli_common import cli_message
+    from spd_fast.distributed.__main__ import build_parser as distributed_parser
+
+    msg = "start 2 processes (torchrun --nproc-per-node 2) or use num_stages=3"
+    assert cli_message(msg, distributed_parser()).endswith("or use --num-stages 3")
+    assert cli_message(msg, build_parser(), "generate").endswith("or use -n 3")
+    assert cli_message("pass num_stages=3, or draft='random'", distributed_parser()) == \
+        "pass --num-stages 3, or --draft random"
+    head, other = os.path.join(REPO, "spd_fast", "heads", "smollm2-135m-instruct-n3"), tiny_checkpoint("llama")
+    capsys.readouterr()  # the checkpoint's saving progress
+    rc, _, err = run_cli(["generate", "Hi", "--model", other, "--draft", head, "--threads", "1"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip().endswith("load the model it was trained for (--model <its model>), or train a head for this "
+                                "model with `spd-fast train`"), err
+    train = "adapt it with `python -m spd_fast.train --init HEAD`, then `python -m spd_fast.train.calibrate`"
+    assert cli_message(train, build_parser(), "eval") == \
+        "adapt it with `spd-fast train --init HEAD`, then `python -m spd_fast.train.calibrate`"
+    assert cli_message(train, distributed_parser()) == train  # not spd-fast: the module is the command there
+
+
+def test_bfloat16_on_cpu_warns_that_the_packed_fp32_path_is_faster(capsys, tmp_path):
+    """--dtype bfloat16 on CPU loses the packed GGUF decode path (fp32 only, about 2.4x faster): one warning line
+    that says to drop --dtype, from generate and eval alike; float32 has none."""
+    warning = ("spd-fast: warning: --dtype bfloat16 on CPU turns off the packed GGUF decode path (the file's Q4_1/Q8_0 "
+               "blocks read by C++ ops, fp32 only), which decodes faster on CPU")
+    base = ["generate", "Hi", "--max-new-tokens", "2", "--threads", "1", "--draft", "random"]
+    rc, _, err = run_cli(base + ["--dtype", "bfloat16"], capsys)
+    lines = [ln for ln in err.splitlines() if "packed GGUF decode path" in ln]
+    assert rc == 0 and len(lines) == 1 and lines[0].startswith(warning), err
+    assert lines[0].endswith("; drop --dtype (float32 is the default)"), err
+    rc, _, err = run_cli(base, capsys)
+    assert rc == 0 and "packed GGUF decode path" not in err, err
+    rc, _, err = run_cli(["eval", "--limit", "1", "--categories", "chat", "--max-new-tokens", "2", "--no-ar",
+                          "--threads", "1", "--dtype", "bfloat16", "--draft", "random"], capsys)
+    assert rc == 0 and warning in err, err
+    import warnings
+
+    from spd_fast.runtime import load_target
+
+    with pytest.warns(UserWarning, match=r"^dtype='float16' on CPU turns off the packed GGUF decode path .*; use "
+                                         r"dtype='float32' \(the default\)$"):  # the Python API's spelling
+        load_target(None, "float16", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_target(None, "bfloat16", progress=False, warn_dtype=False)  # training: it does not decode packed
+
+
+def test_distributed_takes_the_draft_vocab_spelling_of_train(capsys):
+    """--draft-vocab as in spd_fast.train is an option of its own (not only an abbreviation argparse happens to
+    allow), listed in --help; --draft-vocab-size still works."""
+    from spd_fast.distributed.__main__ import build_parser as distributed_parser
+
+    p = distributed_parser()
+    assert p._option_string_actions["--draft-vocab"] is p._option_string_actions["--draft-vocab-size"]
+    for flag in ("--draft-vocab", "--draft-vocab-size"):
+        assert p.parse_args(["Hi", flag, "512"]).draft_vocab_size == 512
+    rc, out, _ = run_cli(["distributed", "--help"], capsys)
+    assert rc == 0 and "--draft-vocab SIZE, --draft-vocab-size SIZE" in out
 
 
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):

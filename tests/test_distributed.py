@@ -353,6 +353,8 @@ def test_world_size_must_equal_num_stages(tmp_path):
     for r in range(2):
         assert job.procs[r].returncode == 2
         assert "world size 2 but num_stages=3" in job.stderr(r), job.stderr(r)[-2000:]
+        # the fix spelt as the command's flag, not the API's num_stages=2
+        assert "(torchrun --nproc-per-node 3) or use --num-stages 2\n" in job.stderr(r), job.stderr(r)[-2000:]
 
 
 def test_mismatched_checkpoints_across_ranks(tmp_path, tiny_checkpoint):

@@ -354,6 +354,18 @@ def test_cpp_build_failure_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert torch.equal(got, ops.aggregate_torch(x, types, w))
 
 
+def test_cpp_build_directory_follows_spd_fast_cache(monkeypatch, tmp_path):
+    """The C++ build lives under $SPD_FAST_CACHE/cpp like the converted models; TORCH_EXTENSIONS_DIR, torch's own
+    setting, still comes first; neither set: ~/.cache/spd_fast/cpp."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("SPD_FAST_CACHE", raising=False)
+    assert cpp_ops.build_dir().parent == Path.home() / ".cache" / "spd_fast" / "cpp"
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    assert cpp_ops.build_dir().parent == tmp_path / "cache" / "cpp"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert cpp_ops.build_dir().parent == tmp_path / "ext" / "spd_fast"
+
+
 def test_cpp_build_clears_a_stale_torch_lock(monkeypatch, tmp_path):
     """A builder killed inside torch's load() leaves d/lock behind, and every later load() would wait
     on it forever (this hung CI once). Under our flock that file is stale and goes."""

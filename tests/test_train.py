@@ -284,6 +284,29 @@ def test_warm_start_copies_weights_and_vocab_and_refuses_mismatch(tiny_checkpoin
               log=lambda s: None, feature_cache=False, init=tmp_path / "a" / "head")
 
 
+def test_the_first_and_last_steps_are_logged_so_a_short_run_shows_its_loss(tiny_checkpoint, tmp_path, monkeypatch):
+    """Loss lines come every log_every steps and at the run's first and last steps, each the mean since the last
+    multiple of log_every (a smoke run of --steps 3 used to log no loss at all)."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    real = PdmTrainer.train_step
+
+    def numbered_step(self, *a, **k):  # step i's loss reads i, so each line's mean can be checked
+        stats = real(self, *a, **k)
+        return {**stats, "loss": float(self.step)}
+
+    monkeypatch.setattr(PdmTrainer, "train_step", numbered_step)
+    for steps, log_every, want in [(3, 10, {1: 1.0, 3: 2.0}), (12, 5, {1: 1.0, 5: 3.0, 10: 8.0, 12: 11.5})]:
+        logs: list[str] = []
+        cfg = TrainConfig(steps=steps, batch_tokens=128, max_seq_len=64, save_every=100, log_every=log_every,
+                          warmup=1)
+        train(FakeTarget(m), data, tmp_path / f"s{steps}", num_stages=3, draft_vocab_size=50, cfg=cfg,
+              log=logs.append, feature_cache=False)
+        lines = [json.loads(x) for x in logs if x.startswith("{") and '"loss"' in x]
+        assert {d["step"]: d["loss"] for d in lines} == pytest.approx(want), lines
+        assert all(set(d) == {"step", "epoch", "lr", "loss", "top1", "tokens_per_s"} for d in lines)
+
+
 def test_trained_lm_head_is_stored_loaded_and_kept_by_warm_starts(tiny_checkpoint, tmp_path):
     from safetensors.torch import load_file
 

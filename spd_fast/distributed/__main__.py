@@ -13,36 +13,37 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import Parser, add_lookup_option, layer_list, non_negative_int
+    from ..cli_common import DefaultsFormatter, Parser, add_lookup_option, layer_list, non_negative_int
 
     p = Parser(prog="python -m spd_fast.distributed",
-                                description="Speculative pipeline decoding with one stage per torch.distributed "
-                                "rank. Launch with torchrun (one process per stage); rank 0 prints the output.")
+               description="Speculative pipeline decoding with one stage per torch.distributed rank. Launch with "
+               "torchrun (one process per stage); rank 0 prints the output.", formatter_class=DefaultsFormatter)
     p.add_argument("prompt", nargs="?", help="raw text prompt (no chat template)")
     p.add_argument("--user", action="append", default=[], help="a user message (chat template; repeatable)")
     p.add_argument("--system", help="a system message")
     p.add_argument("--requests", help="JSON file: a list of {prompt | prompt_ids, max_new_tokens, temperature, "
                    "top_k, top_p, seed, eos_ids} (runs them in order)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int)
     p.add_argument("--eos-id", type=int, action="append", default=[], help="an extra stop token id (repeatable)")
     p.add_argument("--model", help="HF checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="draft head directory or 'random' (default: the shipped head, else random)")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="decoder layers of a random head (default 1); a trained head brings its own")
-    p.add_argument("--draft-vocab-size", type=non_negative_int, default=0, help="draft vocabulary of a random head "
-                   "(default: the full vocabulary)")
+    # --draft-vocab as in spd_fast.train; --draft-vocab-size, its first spelling, still works
+    p.add_argument("--draft-vocab", "--draft-vocab-size", dest="draft_vocab_size", type=non_negative_int, default=0,
+                   metavar="SIZE", help="draft vocabulary of a random head (default 0: the full vocabulary)")
     p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")
     p.add_argument("--num-stages", type=int, help="must equal the number of processes (default: the world size)")
     p.add_argument("--boundaries", type=layer_list, help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
     p.add_argument("--anchors", type=layer_list,
                    help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per local rank)")
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a rank waits for a message before declaring its peer lost (default 30)")
     p.add_argument("--startup-timeout", type=float, default=60.0,

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
             log_f.flush()
 
     try:
-        target = load_target(a.model, dtype=dtype, device=device)
+        target = load_target(a.model, dtype=dtype, device=device, warn_dtype=False)  # training does not decode packed
         samples: list[dict] = []
         for src in a.data or ["self-distill"]:
             if src == "self-distill":

@@ -730,8 +730,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.3f}",
                                  tok_s=f"{toks / (time.perf_counter() - t0):.0f}")
-            if trainer.step % cfg.log_every == 0:
-                k = agg[-cfg.log_every:]
+            # every log_every steps, and the run's first and last steps too: a run shorter than log_every shows its
+            # loss. Each line is the mean over the steps since the last multiple of log_every (of this run).
+            if trainer.step % cfg.log_every == 0 or len(agg) == 1 or trainer.step >= trainer.total_steps:
+                k = agg[-min(trainer.step % cfg.log_every or cfg.log_every, len(agg)):]
                 log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step),
                                 "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
