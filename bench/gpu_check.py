@@ -23,6 +23,10 @@ Prints a short table last and writes everything to OUT/gpu_check.json (rewritten
 """
 from __future__ import annotations
 
+import time
+
+T0 = time.perf_counter()  # --deadline counts from here, before the imports and CUDA's start-up
+
 import argparse
 import dataclasses
 import json
@@ -31,7 +35,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -191,7 +194,9 @@ def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, 
     # flip on that alone, so the graph itself is judged against the same static step run eagerly
     attempt(rows, "graphed AR == the same static step eager",
             lambda: GraphedAR(m, cuda_graphs=False).run(ids, new, GREEDY, []).token_ids == static)
-    attempt(rows, "graphed AR == eager AR", lambda: static == eager)
+    # information only (not in the exit status): see above
+    attempt(rows, "graphed AR == eager AR (information: a bf16 near-tie may differ)",
+            lambda: (static == eager, {"info": True}))
     b = uniform_boundaries(cfg.num_layers, n)
     full = [0] * len(ids) + static
     drafters = {"random PDM": lambda: PdmDrafter(random_head(m, n, layers=1, vocab=4096)),
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                              "gpus": 0 if dry else torch.cuda.device_count(), "host": platform.node(),
                              "acceptance_imposed": a.acceptance}, "errors": []}
 
-    started = time.perf_counter()
+    started = T0
 
     def section(name, fn):
         t = time.perf_counter()
@@ -446,11 +451,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k}: {report[k]}")
     if "kernel_paths" in report:
         kp = report["kernel_paths"]["checks"]
-        print(f"kernel paths: {sum(r['ok'] for r in kp)}/{len(kp)} pass"
+        ran = [r for r in kp if not r.get("skipped")]
+        print(f"kernel paths: {sum(r['ok'] for r in ran)}/{len(ran)} pass, {len(kp) - len(ran)} skipped"
               + "".join(f"\n  FAIL {r['check']}: {r.get('error', '')}" for r in kp if not r["ok"]))
     ex = report.get("exactness", [])
-    print(f"exactness: {sum(r['ok'] for r in ex)}/{len(ex)} checks pass"
-          + "".join(f"\n  FAIL {r['check']}" for r in ex if not r["ok"]))
+    counted = [r for r in ex if not r.get("info")]
+    print(f"exactness: {sum(r['ok'] for r in counted)}/{len(counted)} checks pass"
+          + "".join(f"\n  {'differs' if r.get('info') else 'FAIL'} {r['check']}" for r in ex if not r["ok"]))
     print("| shape | AR ms/tok | AR step us | roofline | n | SPD tok/s | speedup | acc | exact | cycle us "
           "| slowest stage us | PDM us | overhead us |")
     for t in timing_rows:
@@ -463,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped (past --deadline): {', '.join(report['skipped'])}")
     if report["errors"]:
         print(f"errors in: {', '.join(e['section'] for e in report['errors'])} (see gpu_check.json)")
-    ok = (not report["errors"] and not report.get("skipped") and all(r["ok"] for r in ex)
+    ok = (not report["errors"] and not report.get("skipped") and all(r["ok"] for r in counted)
           and all(r["exact"] for t in timing_rows for r in t["spd"])
           and all(report.get(k, {}).get("ok", True) for k in ("kernel_paths", "kernel_tests")))
     return 0 if ok else 1

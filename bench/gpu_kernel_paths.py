@@ -216,7 +216,7 @@ def run(device: str, small: bool, log: Callable[[str], None] = print) -> list[di
         t = time.perf_counter()
         try:
             note = getattr(paths, attr)()
-            rows.append({"check": name, "ok": True, "note": note})
+            rows.append({"check": name, "ok": True, "note": note, "skipped": note.startswith("skipped")})
         except Exception as e:
             rows.append({"check": name, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-1500:]})

@@ -287,18 +287,19 @@ class Engine:
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
         """The KV cache check each decoder makes when it starts, made up front for every prompt of a call, and
         the model's own context length (as vLLM refuses a request past max_model_len)."""
-        ctx = self.target.cfg.max_position_embeddings
-        if len(ids) + max_new_tokens > ctx:
-            raise SpdConfigError(
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens={max_new_tokens} is longer than this model's "
-                f"context of {ctx} positions (max_position_embeddings); shorten the prompt or lower max_new_tokens "
-                f"to at most {max(ctx - len(ids), 0)}")
         self._own_caches()
         if method == "spd":
             extra = self.num_stages + 1  # the in-flight slots
         else:
             extra = self.graphed_ar.lag + 2 if self.graphed_ar is not None else 0
-        check_capacity(self.target.model, len(ids), max_new_tokens, extra)
+        check_capacity(self.target.model, len(ids), max_new_tokens, extra)  # the KV cache first: its fix is exact
+        ctx = self.target.cfg.max_position_embeddings
+        if len(ids) + max_new_tokens > ctx:  # a KV cache (max_len) longer than the model's context
+            fix = (f"lower max_new_tokens to at most {ctx - len(ids)}" if len(ids) < ctx else
+                   f"shorten the prompt to under {ctx} tokens")
+            raise SpdConfigError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens={max_new_tokens} is longer than this model's "
+                f"context of {ctx} positions (max_position_embeddings); {fix}")
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
                 eos: tuple[int, ...], checker: StopStrings | None = None) -> Iterator[str]:
@@ -328,6 +329,7 @@ class Engine:
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown):]
         self.last_metrics = self._last[1]
+        self.last_metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0  # as generate() has
         # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage)
         cut = checker.cut(full) if checker is not None else None
         self.last_finish_reason = "eos" if self._last[0] else "stop" if cut is not None else "length"

@@ -30,8 +30,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _listen_error(args: argparse.Namespace, e: OSError) -> SpdConfigError:
-    return SpdConfigError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another --port, "
-                          "or stop the process using it")
+    from .server import bind_hint
+
+    return SpdConfigError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); {bind_hint(e)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.port > 65535:
         raise SpdConfigError(f"--port must be 0..65535, got {args.port}")
-    if args.port:  # a taken port fails now, not after the model has loaded
-        try:
-            socket.create_server((args.host, args.port)).close()
-        except OSError as e:
-            raise _listen_error(args, e) from None
+    try:  # a taken port or a wrong host fails now, not after the model has loaded
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        socket.create_server((args.host, args.port), family=family).close()
+    except OSError as e:
+        raise _listen_error(args, e) from None
     apply_runtime_options(args)
     eng = load_engine(args, args.num_stages, quiet=False, draft="random" if args.method == "ar" and
                       args.draft is None else None)
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise _listen_error(args, e) from None
     host, port = httpd.server_address[:2]
+    host = f"[{host}]" if ":" in host else host
     print(f"spd-fast: serving {name!r} (method {args.method}, n={eng.num_stages}, draft {eng.draft_source}) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:

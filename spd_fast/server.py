@@ -17,7 +17,9 @@ by name rather than ignored.
 """
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import threading
 import time
 import uuid
@@ -26,13 +28,23 @@ from typing import Any, Iterator
 
 from .config import SpdConfigError
 
-# request fields this server refuses by name (silently ignoring them would return something else than asked)
-_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-                "tools": None, "response_format": None, "min_tokens": 0, "ignore_eos": False}
+# request fields this server refuses by name unless they hold a value that asks for nothing (silently ignoring
+# them would return something else than asked)
+_UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "tools": ([],), "response_format": ({"type": "text"},), "min_tokens": (0,), "ignore_eos": (False,)}
+MAX_BODY = 8 << 20  # bytes of one request body (a longer one is refused with 413 before it is read)
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "stream_options", "user"} | set(_UNSUPPORTED)
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+
+
+def _api_words(message: str) -> str:
+    """The engine's messages speak the Python API; a client of this server sends max_tokens, and the operator
+    starts it with --max-len."""
+    return (message.replace("max_new_tokens", "max_tokens")
+            .replace("load with a larger max_len", "restart the server with a larger --max-len"))
 
 
 class RequestError(Exception):
@@ -90,10 +102,13 @@ class SpdServer:
             raise RequestError(400, f"unknown field(s) {', '.join(unknown)}; this server takes "
                                     f"{', '.join(sorted(_KNOWN - set(_UNSUPPORTED)))}", unknown[0])
         for key, neutral in _UNSUPPORTED.items():
-            if body.get(key, neutral) not in (neutral, None):
-                raise RequestError(400, f"{key}={body[key]!r} is not supported by spd_fast (one sequence, no "
+            v = body.get(key)
+            if v is not None and not any(type(v) is type(x) and v == x for x in neutral):
+                raise RequestError(400, f"{key}={v!r} is not supported by spd_fast (one sequence, no "
                                         f"penalties or log-probabilities); leave {key} out", key)
-        if not isinstance(body.get("stream_options") or {}, dict):
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            raise RequestError(400, f"stream must be true or false, got {body['stream']!r}", "stream")
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise RequestError(400, "stream_options must be an object like {\"include_usage\": true}, got "
                                     f"{body['stream_options']!r}", "stream_options")
         if body.get("model") not in (None, self.model_name):
@@ -103,34 +118,38 @@ class SpdServer:
             prompt: Any = _chat_prompt(body.get("messages"))
         else:
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                if len(prompt) > 1:
+            if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+                if len(prompt) > 1:  # several prompts (strings or token-id lists)
                     raise RequestError(400, "one prompt per request: this server decodes a single sequence; send "
                                             "the prompts as separate requests", "prompt")
                 prompt = prompt[0]
-            if not isinstance(prompt, (str, list)):
-                raise RequestError(400, "prompt must be a string or a list of token ids", "prompt")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None:
-            max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, int)
+            if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+                raise RequestError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
+            if not prompt:
+                raise RequestError(400, "the prompt is empty; send at least one character or token id", "prompt")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, key, None, int)
         stop = body.get("stop")
+        if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str)
+                                                                                         for x in stop))):
+            raise RequestError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
         kw = dict(temperature=_number(body, "temperature", 1.0, float), top_p=_number(body, "top_p", 1.0, float),
                   top_k=_number(body, "top_k", 0, int), seed=_number(body, "seed", None, int),
                   stop=[stop] if isinstance(stop, str) else stop or None, method=self.method)
-        if max_tokens is None:
-            max_tokens = self._room(prompt) if chat else 16
-        kw["max_new_tokens"] = max_tokens
-        return prompt, kw
+        # tokenized here, outside the lock: a long prompt does not hold up the request that is decoding
+        ids = self.engine.target.encode(prompt)
+        kw["max_new_tokens"] = (self._room(ids) if chat else 16) if max_tokens is None else max_tokens
+        return ids, kw
 
-    def _room(self, prompt: Any) -> int:
+    def _room(self, ids: list[int]) -> int:
         """What is left of the KV cache (and the model's context) after the prompt and the in-flight slots."""
         eng = self.engine
-        ids = eng.target.encode(prompt)
         extra = eng.num_stages + 1 if self.method == "spd" else 4
         return max(1, min(eng.max_len, eng.target.cfg.max_position_embeddings) - len(ids) - extra)
 
-    def _usage(self, prompt: Any, completion_tokens: int, metrics: dict) -> dict:
-        p = len(self.engine.target.encode(prompt))
+    def _usage(self, ids: list[int], completion_tokens: int, metrics: dict) -> dict:
+        p = len(ids)
         spd = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         return {"usage": {"prompt_tokens": p, "completion_tokens": completion_tokens,
                           "total_tokens": p + completion_tokens}, "spd": spd}
@@ -196,14 +215,17 @@ class EventStream:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.events.close()
-            self.chunks.close()
-            self.lock.release()
+            try:
+                self.events.close()
+                self.chunks.close()
+            finally:
+                self.lock.release()
 
 
 def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = 120  # seconds a client may leave a request half sent (a short body, a stalled upload)
 
         def log_message(self, fmt: str, *args: Any) -> None:  # one line per request on stderr, as http.server does
             if not getattr(self.server, "quiet", False):
@@ -214,6 +236,8 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -225,27 +249,80 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             kind = "invalid_request_error" if status < 500 else "internal_error"
             self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
 
+        def _body(self) -> bytes:
+            """The whole request body, read before anything is answered, so the connection stays usable for the
+            next request; a body that cannot be read whole closes the connection after the error."""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                self.close_connection = True
+                raise RequestError(411, "chunked request bodies are not supported; send a Content-Length")
+            text = self.headers.get("Content-Length")
+            try:
+                size = int(text) if text is not None else 0
+                if size < 0:
+                    raise ValueError
+            except ValueError:
+                self.close_connection = True
+                raise RequestError(400, f"Content-Length must be a number of bytes >= 0, got {text!r}") from None
+            if size > MAX_BODY:
+                self.close_connection = True
+                raise RequestError(413, f"the request body has {size} bytes, more than this server takes "
+                                        f"({MAX_BODY}); send a shorter prompt")
+            return self.rfile.read(size) if size else b""
+
+        def _route(self) -> str:
+            return self.path.split("?", 1)[0].rstrip("/") or "/"
+
         def do_GET(self) -> None:
-            if self.path == "/v1/models":
+            try:
+                self._body()
+            except RequestError as e:
+                self._error(e.status, str(e))
+                return
+            path = self._route()
+            if path == "/v1/models":
                 self._send(200, server.models())
-            elif self.path == "/health":
+            elif path.startswith("/v1/models/"):
+                name = path[len("/v1/models/"):]
+                if name == server.model_name:
+                    self._send(200, server.models()["data"][0])
+                else:
+                    self._error(404, f"the model {name!r} does not exist; this server serves {server.model_name!r}",
+                                "model")
+            elif path == "/health":
                 self._send(200, {"status": "ok"})
             else:
-                self._error(404, f"no route GET {self.path}; try GET /v1/models or POST /v1/chat/completions")
+                self._error(404, f"no route GET {path}; try GET /v1/models or POST /v1/chat/completions")
+
+        def _not_allowed(self) -> None:
+            try:
+                self._body()
+            except RequestError:
+                pass
+            self._error(405, f"method {self.command} is not supported; use GET /v1/models or POST "
+                             "/v1/completions, /v1/chat/completions")
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
+        def do_HEAD(self) -> None:
+            self.send_response(200 if self._route() in ("/health", "/v1/models") else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
         def do_POST(self) -> None:
             routes = {"/v1/completions": False, "/v1/chat/completions": True}
-            if self.path not in routes:
-                self._error(404, f"no route POST {self.path}; use /v1/completions or /v1/chat/completions")
-                return
             try:
-                size = int(self.headers.get("Content-Length") or 0)
+                raw = self._body()
+                path = self._route()
+                if path not in routes:
+                    raise RequestError(404, f"no route POST {path}; use /v1/completions or /v1/chat/completions")
                 try:
-                    body = json.loads(self.rfile.read(size) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise RequestError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
-                chat = routes[self.path]
-                if isinstance(body, dict) and body.get("stream"):
+                    body = json.loads(raw or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                    reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                    raise RequestError(400, f"the request body is not valid JSON ({reason}); send a JSON object") \
+                        from None
+                chat = routes[path]
+                if isinstance(body, dict) and body.get("stream") is True:
                     events = server.stream(body, chat)
                     try:
                         self.send_response(200)
@@ -261,32 +338,47 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                             raise
                         except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
                             status = 400 if isinstance(e, SpdConfigError) else 500
-                            self._event({"error": {"message": f"{type(e).__name__}: {e}" if status == 500 else
-                                                   str(e), "type": "internal_error" if status == 500 else
-                                                   "invalid_request_error", "param": None, "code": status}})
+                            message = _api_words(str(e)) if status == 400 else f"{type(e).__name__}: {e}"
+                            self._event({"error": {"message": message, "type": "internal_error" if status == 500
+                                                   else "invalid_request_error", "param": None, "code": status}})
                         self.wfile.write(b"data: [DONE]\n\n")
                         self.wfile.flush()
                     finally:
-                        events.close()  # a client that left releases the engine at once
+                        events.close()  # a client that left releases the engine at its next chunk
                     return
                 self._send(200, server.complete(body, chat))
             except RequestError as e:
-                self._error(e.status, str(e), e.param)
+                self._error(e.status, _api_words(str(e)), e.param)
             except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
-                self._error(400, str(e))
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+                self._error(400, _api_words(str(e)))
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                self.close_connection = True
             except Exception as e:  # a bug: say so instead of dropping the connection
                 self._error(500, f"{type(e).__name__}: {e}")
 
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 def make_server(engine: Any, model_name: str, host: str = "127.0.0.1", port: int = 8000, method: str = "spd",
                 quiet: bool = False) -> ThreadingHTTPServer:
-    """A ThreadingHTTPServer bound to (host, port) (port 0 picks a free one: `server_address[1]`);
-    call serve_forever()."""
-    httpd = ThreadingHTTPServer((host, port), _handler(SpdServer(engine, model_name, method)))
-    httpd.daemon_threads = True
+    """A ThreadingHTTPServer bound to (host, port) (port 0 picks a free one: `server_address[1]`; an IPv6 host
+    such as "::" binds IPv6); call serve_forever()."""
+    cls = _Server6 if ":" in host else _Server
+    httpd = cls((host, port), _handler(SpdServer(engine, model_name, method)))
     httpd.quiet = quiet  # type: ignore[attr-defined]
     return httpd
+
+
+def bind_hint(e: OSError) -> str:
+    """The fix for a failed bind: another port when this one is taken, else another --host."""
+    if e.errno == errno.EADDRINUSE:
+        return "pick another --port, or stop the process using it"
+    return "check --host (an address of this machine, e.g. 127.0.0.1, 0.0.0.0 or ::)"

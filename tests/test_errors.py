@@ -928,8 +928,10 @@ def test_a_request_past_the_models_context_is_refused(default_target):
     ids = default_target.encode("Hi")
     with pytest.raises(SpdConfigError, match=rf"the prompt \({len(ids)} tokens\) plus max_new_tokens=8192 is longer "
                                              r"than this model's context of 8192 positions \(max_position_embeddings\);"
-                                             rf" shorten the prompt or lower max_new_tokens to at most {8192 - len(ids)}"):
+                                             rf" lower max_new_tokens to at most {8192 - len(ids)}"):
         eng.generate("Hi", 8192)
+    with pytest.raises(SpdConfigError, match=r"the prompt \(8200 tokens\) .* shorten the prompt to under 8192 tokens"):
+        eng.generate([5] * 8200, 100)
     with pytest.raises(SpdConfigError, match="longer than this model's context of 8192"):
         eng.stream("Hi", 8192, method="ar")
 

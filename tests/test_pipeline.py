@@ -573,6 +573,7 @@ def test_gpu_check_counts_every_failure_and_keeps_going(tmp_path, monkeypatch, c
 
     def fake_exactness(*a):
         a[-1].append({"check": "fake", "ok": True})
+        a[-1].append({"check": "near-tie", "ok": False, "info": True})  # information only: not a failure
         return a[-1]
 
     def fake_timings(name, *a, exact=True):
@@ -584,6 +585,7 @@ def test_gpu_check_counts_every_failure_and_keeps_going(tmp_path, monkeypatch, c
     base = ["--cpu-dry-run", "--skip-kernels", "--num-stages", "2", "--acceptance", "0.5", "--out", str(tmp_path)]
     monkeypatch.setattr(gc, "timings", fake_timings)
     assert gc.main(base) == 0
+    assert "exactness: 1/1 checks pass\n  differs near-tie" in capsys.readouterr().out
     monkeypatch.setattr(gc, "timings", lambda name, *a: fake_timings(name, exact=False))
     assert gc.main(base) == 1
     assert "| tiny | 1.000 | 1.0 | 50% | 2 | 1 | 1.00x | 0.50 | NO |" in capsys.readouterr().out
@@ -595,4 +597,4 @@ def test_gpu_check_counts_every_failure_and_keeps_going(tmp_path, monkeypatch, c
                                                                                    "error": "E"}]})
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert gc.main([x for x in base if x != "--skip-kernels"]) == 1
-    assert "kernel paths: 0/1 pass\n  FAIL k: E" in capsys.readouterr().out
+    assert "kernel paths: 0/1 pass, 0 skipped\n  FAIL k: E" in capsys.readouterr().out

@@ -26,6 +26,7 @@ def served(default_target):
     t.start()
     yield eng, httpd.server_address[1], httpd
     httpd.shutdown()
+    httpd.server_close()
 
 
 def request(port: int, method: str, path: str, body=None, raw: bytes | None = None):
@@ -101,8 +102,15 @@ def test_streamed_answers_equal_the_whole_answer(served):
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a number, got 'hot'"),
     ({"prompt": "hi", "temperature": -1}, 400, r"temperature must be a finite number >= 0"),
     ({"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens must be an integer, got 1.5"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_new_tokens must be an integer >= 1, got 0"),
-    ({"prompt": "hi", "max_tokens": 9000}, 400, "longer than this model's context of 8192"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "^max_tokens must be an integer >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": 9000}, 400, r"\+ max_tokens \(9000\).* exceeds the KV cache length 1024; .*"
+                                                 r"restart the server with a larger --max-len"),
+    ({"prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
+    ({"prompt": [{"role": "user", "content": "hi"}]}, 400, r"prompt must be a string or a list of token ids"),
+    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": "hi", "stream": "false"}, 400, "stream must be true or false, got 'false'"),
+    ({"prompt": "hi", "stop": 0}, 400, "stop must be a string or a list of strings, got 0"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "tools=.* is not supported"),
     ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
     ({"prompt": 5}, 400, "prompt must be a string or a list of token ids"),
     ({"prompt": [1, 99999]}, 400, "prompt token 99999 at position 1 is not a token id of this model"),
@@ -119,8 +127,9 @@ def test_bad_requests_name_the_problem(served, body, status, message):
     err = json.loads(text)["error"]
     assert got == status and err["code"] == status and re.search(message, err["message"]), (got, text)
     assert err["type"] == "invalid_request_error"
-    got, _, text = request(port, "POST", "/v1/completions", {**body, "stream": True})  # refused before streaming
-    assert got == status and re.search(message, json.loads(text)["error"]["message"])
+    if "stream" not in body:  # the same request streamed is refused before the stream starts
+        got, _, text = request(port, "POST", "/v1/completions", {**body, "stream": True})
+        assert got == status and re.search(message, json.loads(text)["error"]["message"])
 
 
 def test_routes_and_malformed_bodies(served):
@@ -201,3 +210,62 @@ def test_serve_command(tmp_path):
     assert r.returncode == 2 and time.time() - t < 60
     assert re.fullmatch(rf"spd-fast: error: cannot listen on 127\.0\.0\.1:{port} \(.+\); pick another --port, or stop "
                         r"the process using it\n", r.stderr), r.stderr
+
+
+def test_neutral_openai_values_token_id_batches_and_max_completion_tokens(served):
+    eng, port, _ = served
+    neutral = {"n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"},
+               "stream": False, "stream_options": None, "frequency_penalty": 0, "user": "u1"}
+    status, _, text = request(port, "POST", "/v1/chat/completions",
+                              {"messages": CHAT, "max_completion_tokens": None, "max_tokens": 3, "temperature": 0,
+                               **neutral})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, text
+    status, _, text = request(port, "POST", "/v1/completions", {"prompt": [[1, 2, 3]], "max_tokens": 4,
+                                                                "temperature": 0, "suffix": "", "echo": False})
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == eng.generate([1, 2, 3], 4).text
+
+
+def test_bodies_routes_and_methods_keep_the_connection_usable(served):
+    _, port, _ = served
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def ask(method, path, body=b"", headers=None):
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        return r.status, r.read().decode()
+    # an answer that did not need the body still reads it: the next request on the connection works
+    status, _ = ask("POST", "/v1/embeddings", json.dumps({"input": "x" * 1000}))
+    assert status == 404
+    status, text = ask("GET", "/nope", b"{}")
+    assert status == 404 and "no route GET /nope" in text
+    status, text = ask("POST", "/v1/completions?api-version=1", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
+    status, text = ask("GET", "/v1/models/smollm2")
+    assert status == 200 and json.loads(text)["id"] == "smollm2"
+    status, text = ask("GET", "/v1/models/other")
+    assert status == 404 and "the model 'other' does not exist" in text
+    status, text = ask("OPTIONS", "/v1/completions")
+    assert status == 405 and json.loads(text)["error"]["message"].startswith("method OPTIONS is not supported")
+    status, text = ask("POST", "/v1/completions", "[" * 100000 + "]" * 100000)
+    assert status == 400 and "not valid JSON (nested too deeply)" in text
+    c.close()
+    for headers, code, message in [({"Content-Length": "abc"}, 400, "Content-Length must be a number of bytes"),
+                                   ({"Content-Length": str(64 << 20)}, 413, "more than this server takes"),
+                                   ({"Transfer-Encoding": "chunked"}, 411, "chunked request bodies")]:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        c.putrequest("POST", "/v1/completions")
+        for k, v in headers.items():
+            c.putheader(k, v)
+        c.endheaders()
+        r = c.getresponse()
+        assert r.status == code and message in r.read().decode()
+        c.close()
+
+
+def test_bind_errors_name_the_right_fix():
+    import errno
+
+    from spd_fast.server import bind_hint
+
+    assert bind_hint(OSError(errno.EADDRINUSE, "in use")).startswith("pick another --port")
+    assert bind_hint(OSError(errno.EADDRNOTAVAIL, "not here")).startswith("check --host")

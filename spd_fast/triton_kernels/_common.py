@@ -27,12 +27,12 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 def on_input_device(launch):
-    """Launch with the first tensor argument's GPU current: Triton launches on the current CUDA device, not on
+    """Launch with the first tensor argument's GPU current (positional or keyword): Triton launches on the current CUDA device, not on
     the tensors' own, so a kernel on a model loaded on cuda:1 would otherwise get cuda:1 pointers on cuda:0."""
     @functools.wraps(launch)
     def wrapper(*args, **kwargs):
-        t = args[0]
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if t is not None and t.device.type == "cuda":
             with torch.cuda.device(t.device):
                 return launch(*args, **kwargs)
         return launch(*args, **kwargs)
