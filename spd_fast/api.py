@@ -217,13 +217,13 @@ class Engine:
             res = dec.result
             self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
                                                  "decode_seconds": res.decode_seconds,
-                                                 "new_tokens": float(len(res.token_ids))})
+                                                 "new_tokens": float(len(res.token_ids)), "num_stages": 1.0})
             return
         if self.spd is None:
             raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
         runner = self.pipelined if self.pipelined is not None else self.spd
         yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
-        self._last = (runner.last_finished_by_eos, dict(runner.last_metrics))
+        self._last = (runner.last_finished_by_eos, {**runner.last_metrics, "num_stages": float(self.num_stages)})
 
     @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -247,7 +247,6 @@ class Engine:
             checker = StopStrings(self.target.decode, stops) if stops else None
             toks = list(self._tokens(ids, max_new_tokens, params, method, eos, checker))
             finished, metrics = self._last
-            metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0
             text = self.target.decode(toks)
             cut = checker.cut(text) if checker is not None else None
             reason = "eos" if finished else "stop" if cut is not None else "length"
@@ -284,15 +283,21 @@ class Engine:
         reallocation ends any generation in progress on the old caches (`Transformer.setup_caches`)."""
         self.target.model.setup_caches(1, self.max_len)
 
+    def _extra_slots(self, method: str) -> int:
+        """KV slots a decode needs beyond the prompt and its new tokens: SPD's in-flight tokens, graphed AR's lag."""
+        if method == "spd":
+            return self.num_stages + 1
+        return self.graphed_ar.lag + 2 if self.graphed_ar is not None else 0
+
+    def room(self, prompt_len: int, method: str = "spd") -> int:
+        """The most new tokens a prompt of `prompt_len` tokens can get: the KV cache and the model's context."""
+        return min(self.max_len - self._extra_slots(method), self.target.cfg.max_position_embeddings) - prompt_len
+
     def _check_fits(self, ids: list[int], max_new_tokens: int, method: str) -> None:
         """The KV cache check each decoder makes when it starts, made up front for every prompt of a call, and
         the model's own context length (as vLLM refuses a request past max_model_len)."""
         self._own_caches()
-        if method == "spd":
-            extra = self.num_stages + 1  # the in-flight slots
-        else:
-            extra = self.graphed_ar.lag + 2 if self.graphed_ar is not None else 0
-        check_capacity(self.target.model, len(ids), max_new_tokens, extra)  # the KV cache first: its fix is exact
+        check_capacity(self.target.model, len(ids), max_new_tokens, self._extra_slots(method))  # its fix is exact
         ctx = self.target.cfg.max_position_embeddings
         if len(ids) + max_new_tokens > ctx:  # a KV cache (max_len) longer than the model's context
             fix = (f"lower max_new_tokens to at most {ctx - len(ids)}" if len(ids) < ctx else
@@ -329,7 +334,6 @@ class Engine:
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown):]
         self.last_metrics = self._last[1]
-        self.last_metrics["num_stages"] = float(self.num_stages) if method == "spd" else 1.0  # as generate() has
         # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage)
         cut = checker.cut(full) if checker is not None else None
         self.last_finish_reason = "eos" if self._last[0] else "stop" if cut is not None else "length"

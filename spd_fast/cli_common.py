@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -159,12 +160,17 @@ def cli_message(error: BaseException | str, parser: argparse.ArgumentParser, com
     return _cli_words(str(error), set(parser._option_string_actions), parser.prog.split()[0] == "spd-fast")
 
 
+@functools.cache
+def _model_flags() -> frozenset[str]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_options(p)
+    return frozenset(p._option_string_actions)
+
+
 def cli_warning(text: str) -> str:
     """A load warning as `spd-fast generate`/`bench`/`eval` print it: fixes spelt as their model options
     (add_model_options), commands as `spd-fast` subcommands."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_model_options(p)
-    return _cli_words(text, set(p._option_string_actions), True)
+    return _cli_words(text, set(_model_flags()), True)
 
 
 def result_paths(out: str | Path) -> tuple[Path, Path]:

@@ -139,14 +139,10 @@ class SpdServer:
                   stop=[stop] if isinstance(stop, str) else stop or None, method=self.method)
         # tokenized here, outside the lock: a long prompt does not hold up the request that is decoding
         ids = self.engine.target.encode(prompt)
-        kw["max_new_tokens"] = (self._room(ids) if chat else 16) if max_tokens is None else max_tokens
+        if max_tokens is None:  # chat: what is left of the KV cache and the context after the prompt
+            max_tokens = max(1, self.engine.room(len(ids), self.method)) if chat else 16
+        kw["max_new_tokens"] = max_tokens
         return ids, kw
-
-    def _room(self, ids: list[int]) -> int:
-        """What is left of the KV cache (and the model's context) after the prompt and the in-flight slots."""
-        eng = self.engine
-        extra = eng.num_stages + 1 if self.method == "spd" else 4
-        return max(1, min(eng.max_len, eng.target.cfg.max_position_embeddings) - len(ids) - extra)
 
     def _usage(self, ids: list[int], completion_tokens: int, metrics: dict) -> dict:
         p = len(ids)
@@ -155,32 +151,32 @@ class SpdServer:
                           "total_tokens": p + completion_tokens}, "spd": spd}
 
     def complete(self, body: dict, chat: bool) -> dict:
-        prompt, kw = self._settings(body, chat)
+        ids, kw = self._settings(body, chat)
         with self.lock:
-            out = self.engine.generate(prompt, **kw)
+            out = self.engine.generate(ids, **kw)
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         reason = _FINISH[out.finish_reason]
         choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason}
                   if chat else {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason})
         return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice],
-                **self._usage(prompt, len(out.token_ids), out.metrics)}
+                **self._usage(ids, len(out.token_ids), out.metrics)}
 
     def stream(self, body: dict, chat: bool) -> "EventStream":
         """Checks the request before the first event (errors are plain 400 replies), then holds the engine until
         the returned stream is exhausted or closed."""
-        prompt, kw = self._settings(body, chat)
+        ids, kw = self._settings(body, chat)
         opts = body.get("stream_options") or {}
         self.lock.acquire()
         try:
-            chunks = self.engine.stream(prompt, **kw)
+            chunks = self.engine.stream(ids, **kw)
         except BaseException:
             self.lock.release()
             raise
         usage = bool(opts.get("include_usage"))
-        return EventStream(self._events(prompt, chunks, chat, usage), chunks, self.lock)
+        return EventStream(self._events(ids, chunks, chat, usage), chunks, self.lock)
 
-    def _events(self, prompt: Any, chunks: Iterator[str], chat: bool, usage: bool) -> Iterator[dict]:
+    def _events(self, ids: list[int], chunks: Iterator[str], chat: bool, usage: bool) -> Iterator[dict]:
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
@@ -199,7 +195,7 @@ class SpdServer:
         eng = self.engine
         yield event(None if chat else "", _FINISH[eng.last_finish_reason])
         if usage:
-            yield {**head, "choices": [], **self._usage(prompt, len(eng.last_token_ids), eng.last_metrics)}
+            yield {**head, "choices": [], **self._usage(ids, len(eng.last_token_ids), eng.last_metrics)}
 
 
 class EventStream:

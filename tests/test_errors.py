@@ -926,6 +926,10 @@ def test_a_request_past_the_models_context_is_refused(default_target):
     b = (0, 15, 30)
     eng = Engine(default_target, random_head(default_target.model, b), b, 9000, "random")
     ids = default_target.encode("Hi")
+    assert eng.room(len(ids)) == 8192 - len(ids)  # the context, not the 9000-slot cache, is the limit here
+    eng.max_len = 100  # a cache shorter than the context: it is the limit, less SPD's 2 + 1 in-flight slots (n=2)
+    assert (eng.room(len(ids)), eng.room(len(ids), "ar")) == (97 - len(ids), 100 - len(ids))
+    eng.max_len = 9000
     with pytest.raises(SpdConfigError, match=rf"the prompt \({len(ids)} tokens\) plus max_new_tokens=8192 is longer "
                                              r"than this model's context of 8192 positions \(max_position_embeddings\);"
                                              rf" lower max_new_tokens to at most {8192 - len(ids)}"):

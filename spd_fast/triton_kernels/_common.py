@@ -27,8 +27,9 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 def on_input_device(launch):
-    """Launch with the first tensor argument's GPU current (positional or keyword): Triton launches on the current CUDA device, not on
-    the tensors' own, so a kernel on a model loaded on cuda:1 would otherwise get cuda:1 pointers on cuda:0."""
+    """Launch with the first tensor argument's GPU current (positional or keyword): Triton launches on the current
+    CUDA device, not on the tensors' own, so a kernel on a model loaded on cuda:1 would otherwise get cuda:1
+    pointers on cuda:0."""
     @functools.wraps(launch)
     def wrapper(*args, **kwargs):
         t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
