@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .ar import ArDecoder, check_capacity, check_eos_ids, check_max_new_tokens
+from .ar import ArDecoder, check_capacity, check_context, check_eos_ids, check_max_new_tokens
 from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_layer_indices, check_lookup,
                      check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
@@ -298,13 +298,7 @@ class Engine:
         the model's own context length (as vLLM refuses a request past max_model_len)."""
         self._own_caches()
         check_capacity(self.target.model, len(ids), max_new_tokens, self._extra_slots(method))  # its fix is exact
-        ctx = self.target.cfg.max_position_embeddings
-        if len(ids) + max_new_tokens > ctx:  # a KV cache (max_len) longer than the model's context
-            fix = (f"lower max_new_tokens to at most {ctx - len(ids)}" if len(ids) < ctx else
-                   f"shorten the prompt to under {ctx} tokens")
-            raise SpdConfigError(
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens={max_new_tokens} is longer than this model's "
-                f"context of {ctx} positions (max_position_embeddings); {fix}")
+        check_context(self.target.cfg.max_position_embeddings, len(ids), max_new_tokens)
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
                 eos: tuple[int, ...], checker: StopStrings | None = None) -> Iterator[str]:

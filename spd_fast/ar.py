@@ -73,6 +73,17 @@ def check_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, ext
             f"shorten the prompt, lower max_new_tokens or load with a larger max_len")
 
 
+def check_context(context: int, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse a request longer than the model's context (`max_position_embeddings`), as vLLM refuses one past
+    max_model_len: a KV cache may be longer than the positions the model was trained for."""
+    if prompt_len + max_new_tokens > context:
+        fix = (f"lower max_new_tokens to at most {context - prompt_len}" if prompt_len < context else
+               f"shorten the prompt to under {context} tokens")
+        raise SpdConfigError(
+            f"the prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} is longer than this model's "
+            f"context of {context} positions (max_position_embeddings); {fix}")
+
+
 @torch.inference_mode()
 def prefill(model: Transformer, prompt_ids: Sequence[int]) -> torch.Tensor:
     """Run the prompt through every layer, fill the caches; return the last position's logits [V].

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import errno
 import json
+import select
 import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .config import SpdConfigError
 
@@ -150,17 +151,28 @@ class SpdServer:
         return {"usage": {"prompt_tokens": p, "completion_tokens": completion_tokens,
                           "total_tokens": p + completion_tokens}, "spd": spd}
 
-    def complete(self, body: dict, chat: bool) -> dict:
+    def complete(self, body: dict, chat: bool, gone: Callable[[], bool] | None = None) -> dict:
+        """The whole answer. `gone` (asked after every verified piece) says the client has hung up: the decode then
+        stops and frees the engine, as a streamed request's does, and ClientGone is raised."""
         ids, kw = self._settings(body, chat)
+        eng = self.engine
         with self.lock:
-            out = self.engine.generate(ids, **kw)
+            chunks = eng.stream(ids, **kw)  # the same decode and text as generate(), piece by piece
+            try:
+                parts = []
+                for piece in chunks:
+                    parts.append(piece)
+                    if gone is not None and gone():
+                        raise ClientGone
+            finally:
+                chunks.close()
+            text, token_ids, metrics = "".join(parts), list(eng.last_token_ids), eng.last_metrics
+            reason = _FINISH[eng.last_finish_reason]
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reason = _FINISH[out.finish_reason]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason})
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                  if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
         return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice],
-                **self._usage(ids, len(out.token_ids), out.metrics)}
+                "model": self.model_name, "choices": [choice], **self._usage(ids, len(token_ids), metrics)}
 
     def stream(self, body: dict, chat: bool) -> "EventStream":
         """Checks the request before the first event (errors are plain 400 replies), then holds the engine until
@@ -196,6 +208,20 @@ class SpdServer:
         yield event(None if chat else "", _FINISH[eng.last_finish_reason])
         if usage:
             yield {**head, "choices": [], **self._usage(ids, len(eng.last_token_ids), eng.last_metrics)}
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request closed its connection before the answer was ready."""
+
+
+def client_gone(sock: socket.socket) -> bool:
+    """True when the peer has closed the connection: the socket reads as ready and a peek finds the end of the
+    stream (bytes waiting, e.g. a pipelined next request, mean the client is still there)."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+        return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
 
 
 class EventStream:
@@ -342,12 +368,12 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                     finally:
                         events.close()  # a client that left releases the engine at its next chunk
                     return
-                self._send(200, server.complete(body, chat))
+                self._send(200, server.complete(body, chat, gone=lambda: client_gone(self.connection)))
             except RequestError as e:
                 self._error(e.status, _api_words(str(e)), e.param)
             except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
                 self._error(400, _api_words(str(e)))
-            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            except (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone):
                 self.close_connection = True
             except Exception as e:  # a bug: say so instead of dropping the connection
                 self._error(500, f"{type(e).__name__}: {e}")
@@ -368,8 +394,10 @@ def make_server(engine: Any, model_name: str, host: str = "127.0.0.1", port: int
     """A ThreadingHTTPServer bound to (host, port) (port 0 picks a free one: `server_address[1]`; an IPv6 host
     such as "::" binds IPv6); call serve_forever()."""
     cls = _Server6 if ":" in host else _Server
-    httpd = cls((host, port), _handler(SpdServer(engine, model_name, method)))
+    spd = SpdServer(engine, model_name, method)
+    httpd = cls((host, port), _handler(spd))
     httpd.quiet = quiet  # type: ignore[attr-defined]
+    httpd.spd = spd  # type: ignore[attr-defined]  # its engine lock: held while a request decodes
     return httpd
 
 

@@ -437,17 +437,22 @@ def test_rank0_plan_runs_the_shipped_head_at_other_boundaries_with_a_warning(tin
         _plan_on_rank0(path, cfg, torch.float32, 2, (0, 2, 6), None, str(tmp_path / "heads" / "tiny-n2"), None, 0)
 
 
-def test_bad_request_is_refused_before_any_is_sent(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("second,msg", [
+    ({"prompt_ids": [1, 2], "max_new_tokens": 4, "eos_ids": [10 ** 6]}, "eos id 1000000 is not a token id of this model"),
+    # inside the 1024-slot KV cache, past the tiny model's 512 positions
+    ({"prompt_ids": [1, 2], "max_new_tokens": 600}, "the prompt (2 tokens) plus max_new_tokens=600 is longer than "
+     "this model's context of 512 positions (max_position_embeddings); lower --max-new-tokens to at most 510")])
+def test_bad_request_is_refused_before_any_is_sent(tmp_path, tiny_checkpoint, second, msg):
     """Every request is checked on rank 0 before the first one runs: a bad eos id (or prompt id, or
-    max_new_tokens) in the second request stops rank 0 with the message and releases the other rank."""
+    max_new_tokens, or a length past the model's context) in the second request stops rank 0 with the message
+    and releases the other rank."""
     req = tmp_path / "req.json"
-    req.write_text(json.dumps([{"prompt_ids": [1, 2, 3], "max_new_tokens": 4},
-                               {"prompt_ids": [1, 2], "max_new_tokens": 4, "eos_ids": [10 ** 6]}]))
+    req.write_text(json.dumps([{"prompt_ids": [1, 2, 3], "max_new_tokens": 4}, second]))
     job = Job(tmp_path, 2, ["--model", tiny_checkpoint("llama"), "--draft", "random", "--threads", "1",
-                            "--max-len", "64", "--requests", str(req)])
+                            "--max-len", "1024", "--requests", str(req)])
     job.wait(120)
     assert job.procs[0].returncode == 2, job.stderr(0)[-2000:]
-    assert "eos id 1000000 is not a token id of this model" in job.stderr(0), job.stderr(0)[-2000:]
+    assert msg in job.stderr(0), job.stderr(0)[-2000:]
     assert job.procs[1].returncode == 0, job.stderr(1)[-2000:]
 
 

@@ -269,3 +269,59 @@ def test_bind_errors_name_the_right_fix():
 
     assert bind_hint(OSError(errno.EADDRINUSE, "in use")).startswith("pick another --port")
     assert bind_hint(OSError(errno.EADDRNOTAVAIL, "not here")).startswith("check --host")
+
+
+def test_a_client_leaving_before_a_whole_answer_stops_its_decode(served):
+    """A non-streamed request whose client hangs up stops decoding at its next verified piece and frees the
+    engine (as a streamed one does), instead of decoding all of max_tokens for nobody."""
+    import socket
+    import time
+
+    eng = served[0]
+
+    class Spy:  # the served engine, counting the pieces the server takes from its decodes
+        def __init__(self):
+            self.pieces = 0
+
+        def __getattr__(self, name):
+            return getattr(eng, name)
+
+        def stream(self, *args, **kwargs):
+            chunks = eng.stream(*args, **kwargs)
+
+            def counted():
+                try:
+                    for piece in chunks:
+                        self.pieces += 1
+                        yield piece
+                finally:
+                    chunks.close()
+            return counted()
+
+    spy = Spy()
+    httpd = make_server(spy, "smollm2", port=0, quiet=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        body = json.dumps({"prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 400, "temperature": 0}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.time() + 120
+        while spy.pieces == 0 and time.time() < deadline:  # decoding has begun
+            time.sleep(0.01)
+        s.close()
+        time.sleep(0.5)
+        deadline = time.time() + 120
+        while httpd.spd.lock.locked() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not httpd.spd.lock.locked() and 0 < spy.pieces < 200, spy.pieces
+        left_at = spy.pieces
+        status, _, text = request(port, "POST", "/v1/completions", {"prompt": "The capital of France is",
+                                                                     "max_tokens": 8, "temperature": 0})
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == eng.generate(
+            "The capital of France is", 8).text
+        assert spy.pieces > left_at  # the next request decoded through the same path
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

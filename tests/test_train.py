@@ -115,6 +115,45 @@ def test_argmax_weight_adds_the_hard_label_cross_entropy(tiny_checkpoint):
     assert s1["loss"] == s0["loss"] and s1["top1"] == s0["top1"]
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_chunked_loss_equals_the_whole_one(tiny_checkpoint, monkeypatch, tmp_path, cached):
+    """The LM head and KL run LOSS_CHUNK rows at a time under activation checkpointing: the loss, its stats and
+    every gradient equal one chunk over all rows (the live teacher and the cached one), the hard-label term
+    included, and a chunk count that does not divide the rows leaves none out."""
+    from spd_fast.train import trainer as trmod
+
+    torch.manual_seed(0)
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 8)
+    dcfg = DraftConfig.make(m.cfg, (0, 2, 4, 6), None, 2, 40)
+    head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m)
+    tr = PdmTrainer(m, head, TrainConfig(fill_aug=0.0, argmax_weight=0.3))
+    batch, extra = collate(data, 64), {}
+    if cached:
+        from spd_fast.train.features import build_feature_cache
+        from spd_fast.train.trainer import collate_cached
+
+        cache = build_feature_cache(m, "tiny", data, tmp_path / "fc", dcfg.anchors, 64, progress=False)
+        batch, extra["cached"] = collate_cached([dict(s, _idx=i) for i, s in enumerate(data)], 64, cache)
+
+    def run(chunk):
+        monkeypatch.setattr(trmod, "LOSS_CHUNK", chunk)
+        head.zero_grad(set_to_none=True)
+        loss, st = tr.loss(*batch, fill=None, **extra)
+        loss.backward()
+        return loss.detach(), st, {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
+
+    whole, s_whole, g_whole = run(10 ** 9)
+    part, s_part, g_part = run(7)
+    assert s_whole["tokens"] > 7 * 3 and s_whole["tokens"] % 7  # several chunks, the last one short
+    torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+    assert s_part["top1"] == s_whole["top1"] and s_part["tokens"] == s_whole["tokens"]
+    assert s_part["loss"] == pytest.approx(s_whole["loss"], rel=1e-5, abs=1e-7)
+    assert g_whole and g_part.keys() == g_whole.keys()
+    for k in g_whole:
+        torch.testing.assert_close(g_part[k], g_whole[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 def test_collate_pads_to_a_few_shapes_without_changing_the_loss(tiny_checkpoint):
     """Batches are padded to a multiple of PAD_MULTIPLE positions (capped at max_seq_len) so the CPU
     allocator sees few shapes; padded positions are neither keys nor loss rows, so the loss is the
@@ -867,7 +906,8 @@ def test_time_budget_shortens_the_lr_schedule_of_a_real_run(tiny_checkpoint, tmp
     total = set_to[0]  # once fitted, the logged LR follows the linear decay to 0 at that step, not at 100,000
     after = logs[next(i for i, x in enumerate(logs) if '"time_budget_s"' in x):]
     lrs = [(d["step"], d["lr"]) for d in map(json.loads, (x for x in after if x.startswith("{"))) if "lr" in d]
-    assert len(lrs) >= 2 and lrs[-1][0] > total - cfg.log_every
+    # on a loaded machine the budget may be spent by the 20 measured steps: then step 20 is the last, logged once
+    assert lrs and lrs[-1][0] == total and lrs[-1][1] == 0.0, lrs
     for step, lr in lrs:
         assert lr == pytest.approx(cfg.lr * max(0.0, 1 - (step - 1) / (total - 1)), rel=1e-6, abs=1e-12), (step, lr)
 

@@ -125,7 +125,7 @@ class DistributedEngine:
     def run_requests(self, reqs: Sequence[Request]) -> Any:
         """Token-id requests (call on every rank; rank 0's list is the one that counts)."""
         from ..api import GenerationOutput
-        from ..ar import check_capacity, check_eos_ids, check_max_new_tokens, check_prompt_ids
+        from ..ar import check_capacity, check_context, check_eos_ids, check_max_new_tokens, check_prompt_ids
 
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
@@ -138,6 +138,7 @@ class DistributedEngine:
                 check_max_new_tokens(r.max_new_tokens)
                 check_eos_ids(r.eos_ids, vocab)
                 check_capacity(drv.model, len(r.prompt_ids), r.max_new_tokens, extra=self.num_stages + 1)
+                check_context(self.target.cfg.max_position_embeddings, len(r.prompt_ids), r.max_new_tokens)
         except Exception:
             drv.end_call()
             raise

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..config import SpdConfigError
 from ..model import Transformer, apply_rope
@@ -84,6 +85,13 @@ def _layer_train(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     y = x[:, :n_query] + at.wo(o.transpose(1, 2).reshape(B, n_query, at.nh * at.hd))
     return y + layer.mlp(layer.mlp_norm(y))
 
+
+# loss rows per chunk of the LM head and KL (PdmTrainer.loss): each chunk's [rows, V_d] tensors (64 MiB in fp32 at
+# V_d = 16,384) take the place of the whole step's, whose size changed with every batch's count of loss rows. On
+# the CPU those blocks of ever other sizes fragmented the heap: a 4-layer n=3 run of 8,192-token batches grew to
+# 23 GB and was killed at step 165 (docs/TRAINING.md). Their recomputation in the backward pass costs one more
+# [rows, H] x [H, V_d] product per chunk.
+LOSS_CHUNK = 1024
 
 # answer-position buckets of the validation report: [0, 64), [64, 128), [128, 192), [192, 256), [256, ...)
 VAL_POS_EDGES = (64, 128, 192, 256)
@@ -197,27 +205,27 @@ class PdmTrainer:
         sel = (loss_mask & torch.isin(t_arg, head.draft_vocab)).reshape(-1).nonzero().squeeze(1)
         if fill is not None and self.cfg.fill_after_miss:
             sel = self.rows_after_miss(anchors, lens, sel, fill, t_arg)
-        if cached is None:
-            t_logp = t_logp_all.reshape(B * T, -1)[sel]
-        else:
-            with torch.no_grad():
-                hl = h_last.reshape(B * T, -1)[sel]
-                t_logp = torch.log_softmax(F.linear(self.target.norm(hl), self._teacher_lm_head()).float(), -1)
-        s_logits, x = self.student_logits(anchors, lens, fill, sel)                     # [N, V_d]
+        # the teacher's rows: log-probs over V_d (live), or h^L from which each chunk rebuilds them (cached)
+        teacher = t_logp_all.reshape(B * T, -1)[sel] if cached is None else h_last.reshape(B * T, -1)[sel]
+        rows, x = self.student_rows(anchors, lens, fill, sel)                              # [N, H]
         denom = max(int(sel.numel()), 1)
-        # KL(p_t || p_s) = CE(p_t, p_s) - H(p_t); H(p_t) does not depend on the head, so the gradient
-        # is that of the fused soft-target cross-entropy (one pass each way over [N, V_d])
-        p_t = t_logp.exp()
-        ce = F.cross_entropy(s_logits, p_t, reduction="sum")
-        with torch.no_grad():
-            ent = -(p_t * t_logp).sum()
+        # the LM head, softmaxes and KL run LOSS_CHUNK rows at a time, each chunk recomputed in the backward pass
+        # (activation checkpointing): the [N, V_d] tensors are never whole, so a step's largest blocks have one
+        # size whatever N is, and the CPU heap can reuse them instead of growing (see LOSS_CHUNK)
+        ce = ent = hard = torch.zeros((), device=rows.device)
+        s_arg = []
+        for a in range(0, int(sel.numel()), LOSS_CHUNK):
+            args = (rows[a:a + LOSS_CHUNK], teacher[a:a + LOSS_CHUNK], cached is not None)
+            c_ce, c_ent, c_hard, c_arg = (checkpoint(self._chunk_loss, *args, use_reentrant=False)
+                                          if torch.is_grad_enabled() else self._chunk_loss(*args))
+            ce, ent, hard = ce + c_ce, ent + c_ent, hard + c_hard
+            s_arg.append(c_arg)
+        s_arg = torch.cat(s_arg) if s_arg else torch.zeros(0, dtype=torch.long, device=rows.device)
         loss = ce / denom + 0.0 * x.sum()  # the zero term keeps a graph when no row counts
         if self.cfg.argmax_weight > 0 and sel.numel():
-            # hard-label term: what greedy verification checks is the argmax, which the selected rows
-            # have inside the draft vocabulary, so it is the argmax of the restricted teacher as well
-            loss = loss + self.cfg.argmax_weight * F.cross_entropy(s_logits, t_logp.argmax(-1))
+            loss = loss + self.cfg.argmax_weight * hard / denom
         kl = (ce.detach() - ent) / denom
-        ok = head.draft_vocab[s_logits.argmax(-1)] == t_arg.reshape(-1)[sel]
+        ok = head.draft_vocab[s_arg] == t_arg.reshape(-1)[sel]
         stats = {"loss": float(kl), "top1": float(ok.float().sum() / denom), "tokens": float(sel.numel())}
         if pos_edges:
             first = loss_mask.int().argmax(1)  # each sample's first loss row (its last prompt token)
@@ -260,6 +268,13 @@ class PdmTrainer:
         """The head's draft logits [N, V_d] on the flattened rows `sel` of the type-0 copy (each row t as
         the newest token, older rows at the depths the pipeline gives them at `fill`), and the last
         layer's output [B, T, H]."""
+        rows, x = self.student_rows(anchors, lens, fill, sel)
+        return self.head.draft_logits(rows), x
+
+    def student_rows(self, anchors: list[torch.Tensor], lens: torch.Tensor, fill: int | None,
+                     sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`student_logits` before the head's final norm and LM head: the last layer's rows `sel` [N, H], and
+        its whole output [B, T, H]."""
         head, m = self.head, self.m
         B, T = anchors[0].shape[0], anchors[0].shape[1]
         # type copies: copy a = W_a · concat(anchors 0..a)
@@ -275,7 +290,28 @@ class PdmTrainer:
         L = len(head.layers)
         for i, layer in enumerate(head.layers):
             x = _layer_train(layer, x, cos, sin, mask, T if i == L - 1 else m * T)
-        return head.draft_logits(x.reshape(B * T, -1)[sel]), x
+        return x.reshape(B * T, -1)[sel], x
+
+    def _chunk_loss(self, rows: torch.Tensor, teacher: torch.Tensor, from_cache: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One chunk of loss rows -> (soft-target cross-entropy summed over the rows, the teacher's entropy, the
+        hard-label cross-entropy on the teacher's argmax, the draft argmax per row). `teacher` holds log-probs
+        over V_d, or (from_cache) h^L, turned into them here with the frozen final norm and LM-head rows."""
+        s_logits = self.head.draft_logits(rows)                                            # [c, V_d] fp32
+        with torch.no_grad():
+            t_logp = (torch.log_softmax(F.linear(self.target.norm(teacher), self._teacher_lm_head()).float(), -1)
+                      if from_cache else teacher)
+            p_t = t_logp.exp()
+            ent = -(p_t * t_logp).sum()
+            s_arg = s_logits.argmax(-1)
+        # KL(p_t || p_s) = CE(p_t, p_s) - H(p_t); H(p_t) does not depend on the head, so the gradient
+        # is that of the fused soft-target cross-entropy (one pass each way over [c, V_d])
+        ce = F.cross_entropy(s_logits, p_t, reduction="sum")
+        # hard-label term: what greedy verification checks is the argmax, which the selected rows have inside
+        # the draft vocabulary, so it is the argmax of the restricted teacher as well
+        hard = (F.cross_entropy(s_logits, t_logp.argmax(-1), reduction="sum") if self.cfg.argmax_weight > 0
+                else torch.zeros((), device=rows.device))
+        return ce, ent, hard, s_arg
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    cached: tuple[torch.Tensor, torch.Tensor, Sequence[int]] | None = None) -> dict[str, float]:
