@@ -88,7 +88,7 @@ def _layer_train(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
 
 # loss rows per chunk of the LM head and KL (PdmTrainer.loss): each chunk's [rows, V_d] tensors (64 MiB in fp32 at
 # V_d = 16,384) take the place of the whole step's, whose size changed with every batch's count of loss rows. On
-# the CPU those blocks of ever other sizes fragmented the heap: a 4-layer n=3 run of 8,192-token batches grew to
+# the CPU those blocks, of a new size every step, fragmented the heap: a 4-layer n=3 run of 8,192-token batches grew to
 # 23 GB and was killed at step 165 (docs/TRAINING.md). Their recomputation in the backward pass costs one more
 # [rows, H] x [H, V_d] product per chunk.
 LOSS_CHUNK = 1024
@@ -210,8 +210,9 @@ class PdmTrainer:
         rows, x = self.student_rows(anchors, lens, fill, sel)                              # [N, H]
         denom = max(int(sel.numel()), 1)
         # the LM head, softmaxes and KL run LOSS_CHUNK rows at a time, each chunk recomputed in the backward pass
-        # (activation checkpointing): the [N, V_d] tensors are never whole, so a step's largest blocks have one
-        # size whatever N is, and the CPU heap can reuse them instead of growing (see LOSS_CHUNK)
+        # (activation checkpointing): from the cache the [N, V_d] tensors are never whole (the live teacher's
+        # log-probs are), so a step's largest blocks have one size whatever N is, and the CPU heap can reuse them
+        # instead of growing (see LOSS_CHUNK)
         ce = ent = hard = torch.zeros((), device=rows.device)
         s_arg = []
         for a in range(0, int(sel.numel()), LOSS_CHUNK):
