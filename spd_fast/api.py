@@ -137,6 +137,33 @@ class StopStrings:
                     if text.endswith(s[:k])), default=0)
 
 
+class IncrementalText:
+    """The text of a growing token list, decoding a short window of the newest tokens per token (the offsets
+    scheme of vLLM's detokenizer) instead of the whole list: a stream of n tokens costs O(n), not O(n^2).
+
+    `prefix` and `read` index the token list: text up to `read` is out; the tokens from `prefix` to `read` are
+    decoded again with the new ones, so a token whose text depends on its neighbours, or a character split
+    across tokens, comes out whole. While the window's text ends in an incomplete character (U+FFFD), nothing
+    comes out and the window grows. `push` returns the new text (often ""); `text` is all of it."""
+
+    def __init__(self, decode: Any):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self.decode(self.ids[self.prefix:self.read])
+        now = self.decode(self.ids[self.prefix:])
+        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
+            return ""  # an incomplete character, or a token that adds no text yet (e.g. a skipped special token)
+        new = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new
+        return new
+
+
 def shipped_head(target: Target, num_stages: int) -> Path | None:
     """The head shipped in spd_fast/heads/ for this model's weights and n, if there is one."""
     if not HEADS_DIR.is_dir():
@@ -302,7 +329,8 @@ class Engine:
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
                 eos: tuple[int, ...], checker: StopStrings | None = None) -> Iterator[str]:
-        toks: list[int] = []
+        inc = IncrementalText(self.target.decode)
+        toks = inc.ids
         shown = ""
 
         def visible(text: str, final: bool) -> str:
@@ -314,15 +342,14 @@ class Engine:
             return text if final else text[:len(text) - checker.held(text)]  # maybe the start of a stop string
 
         for t in self._tokens(ids, max_new_tokens, params, method, eos, checker):
-            toks.append(t)
-            text = self.target.decode(toks)
-            if text.endswith("\ufffd"):
+            if not inc.push(t):
                 continue
-            text = visible(text, False)
-            if len(text) > len(shown) and text.startswith(shown):
+            text = visible(inc.text, False)
+            if len(text) > len(shown):
                 yield text[len(shown):]
-            shown = text
-        # what was held back at the end (a character cut by max_new_tokens, the start of a stop string never finished)
+                shown = text
+        # what was held back at the end (a character cut by max_new_tokens, the start of a stop string never finished);
+        # the whole list decoded once, so the chunks always join to generate()'s text
         full = self.target.decode(toks)
         text = visible(full, True)
         if len(text) > len(shown) and text.startswith(shown):

@@ -256,6 +256,48 @@ def test_stream_text_equals_generate_text_when_the_last_character_is_cut(default
     assert "".join(eng.stream("x", cut)).endswith("\ufffd")
 
 
+@pytest.mark.parametrize("kind", ["text", "random ids"])
+def test_stream_decodes_a_short_window_per_token_and_joins_to_the_whole_text(default_target, monkeypatch, kind):
+    """stream() decodes only the newest few tokens per token (incremental detokenisation), not the whole answer
+    so far, and its chunks still join to the whole list's text: for real text with multi-byte characters and
+    special tokens, and for random ids (split characters, bytes that never complete)."""
+    import random
+
+    from spd_fast.api import Engine
+
+    b = (0, 15, 30)
+    eng = Engine(default_target, random_head(default_target.model, b), b, 1024, "random")
+    tok = default_target.tokenizer
+    if kind == "text":
+        ids = tok.encode("Caf\u00e9 \u00fcber na\u00efve \U0001f642\U0001f680 \u4f60\u597d, the end.\n" * 20
+                         + "<|im_end|>" + "def f(x):\n    return x ** 2\n" * 10, add_special_tokens=False)
+    else:
+        rng = random.Random(0)
+        ids = [rng.randrange(default_target.cfg.vocab_size) for _ in range(600)]
+    seen: list[int] = []
+    decode = default_target.decode
+
+    def counting(xs):
+        seen.append(len(xs))
+        return decode(xs)
+
+    def fake(ids_, max_new_tokens, params, method, eos, stop_fn=None):
+        eng._last = (False, {})
+        yield from ids[:max_new_tokens]
+
+    monkeypatch.setattr(eng, "_tokens", fake)
+    monkeypatch.setattr(default_target, "decode", counting)
+    chunks = list(eng.stream("x", len(ids)))
+    assert "".join(chunks) == decode(ids) == eng.generate("x", len(ids)).text
+    assert all(chunks)
+    per_token = seen[:2 * len(ids)]  # two window decodes per token; then the final whole-list decode
+    assert seen[2 * len(ids)] == len(ids)
+    if kind == "text":
+        assert len(ids) > 300 and max(per_token) <= 8, max(per_token)
+    else:
+        assert sum(per_token) < 20 * len(ids), sum(per_token)  # O(n); the whole list per token is ~n^2/2
+
+
 @pytest.mark.parametrize("method", ["spd", "ar"])
 def test_an_open_stream_leaves_the_callers_grad_mode_alone(default_target, method):
     """Between chunks the caller's own code runs: torch's inference mode must be off there (inference tensors
