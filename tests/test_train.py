@@ -1141,10 +1141,16 @@ def test_average_heads_interpolates_the_weights_and_refuses_heads_of_another_sha
         avg.main([str(a), str(tmp_path / "b"), str(tmp_path / "x")])
 
 
-def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("chunk", [1024, 7])
+def test_rows_after_miss_keep_the_refill_rows_of_a_brute_force_and_train(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                         chunk):
     """Fill-f rows after a miss: row t is kept iff it is a loss row, the head's full-fill draft of token
     t - f + 1 (row t - f, itself a loss row) missed the target's token, and for f = 2 the fill-1 draft made
-    since (row t - 1) was right; checked row by row, sample by sample."""
+    since (row t - 1) was right; checked row by row, sample by sample, also with the head's drafts made
+    LOSS_CHUNK rows at a time (7: several chunks)."""
+    import spd_fast.train.trainer as trmod
+
+    monkeypatch.setattr(trmod, "LOSS_CHUNK", chunk)
     m, data, _ = _saved_n3_head(tiny_checkpoint, tmp_path / "a")
     head = load_draft(tmp_path / "a" / "head", m, "tiny").float()
     tr = PdmTrainer(m, head, TrainConfig(max_seq_len=64))

@@ -250,9 +250,12 @@ class PdmTrainer:
         flat = t_arg.reshape(-1)
 
         def right(f: int | None) -> torch.Tensor:  # per flat row: a loss row whose fill-f draft is the target's
-            logits, _ = self.student_logits(anchors, lens, f, sel)
+            with torch.no_grad():  # a selection, not a loss term: no graph kept
+                rows, _ = self.student_rows(anchors, lens, f, sel)
+                # the LM head LOSS_CHUNK rows at a time: [N, V_d] logits of a new N every step fragment the heap
+                arg = torch.cat([self.head.draft_logits(c).argmax(-1) for c in rows.split(LOSS_CHUNK)])
             ok = torch.zeros(flat.numel(), dtype=torch.bool, device=sel.device)
-            ok[sel] = self.head.draft_vocab[logits.argmax(-1)] == flat[sel]
+            ok[sel] = self.head.draft_vocab[arg] == flat[sel]
             return ok
 
         in_sel = torch.zeros(flat.numel(), dtype=torch.bool, device=sel.device)
