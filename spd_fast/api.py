@@ -120,10 +120,12 @@ class StopStrings:
 
     def __call__(self, token: int) -> bool:
         self.ids.append(int(token))
+        # characters before the newest token's own text: a stop string it completes starts within them
+        need = self.chars + len(self.decode(self.ids[-1:]))
         w = self.chars  # tokens; grown while they decode to fewer characters (special tokens decode to nothing)
         while True:
             text = self.decode(self.ids[-w:])
-            if len(text) >= self.chars or w >= len(self.ids):
+            if len(text) >= need or w >= len(self.ids):
                 return self.cut(text) is not None
             w *= 2
 

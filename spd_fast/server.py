@@ -36,6 +36,9 @@ _UNSUPPORTED: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "tools": ([],), "response_format": ({"type": "text"},), "min_tokens": (0,), "ignore_eos": (False,)}
 MAX_BODY = 8 << 20  # bytes of one request body (a longer one is refused with 413 before it is read)
+# stop strings of one request: each committed token is checked against every one, over a window as long as the
+# longest, while the engine is held (OpenAI takes 4)
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "stream_options", "user"} | set(_UNSUPPORTED)
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
@@ -60,7 +63,10 @@ def _number(body: dict, key: str, default: Any, kind: type) -> Any:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)):
         raise RequestError(400, f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}", key)
-    return kind(v)
+    try:
+        return kind(v)
+    except OverflowError:  # an integer too large for a float
+        raise RequestError(400, f"{key} is out of range, got a {len(str(abs(v)))}-digit number", key) from None
 
 
 def _chat_prompt(messages: Any) -> list[dict[str, str]]:
@@ -135,13 +141,24 @@ class SpdServer:
         if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str)
                                                                                          for x in stop))):
             raise RequestError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise RequestError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}; send fewer", "stop")
+        if any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise RequestError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
+                                    f"{max(map(len, stops))}; send a shorter one", "stop")
         kw = dict(temperature=_number(body, "temperature", 1.0, float), top_p=_number(body, "top_p", 1.0, float),
                   top_k=_number(body, "top_k", 0, int), seed=_number(body, "seed", None, int),
                   stop=[stop] if isinstance(stop, str) else stop or None, method=self.method)
         # tokenized here, outside the lock: a long prompt does not hold up the request that is decoding
         ids = self.engine.target.encode(prompt)
         if max_tokens is None:  # chat: what is left of the KV cache and the context after the prompt
-            max_tokens = max(1, self.engine.room(len(ids), self.method)) if chat else 16
+            room = self.engine.room(len(ids), self.method)
+            if chat and room < 1:
+                raise RequestError(400, f"the prompt ({len(ids)} tokens) leaves no room for an answer in the KV cache "
+                                        f"and the model's context; shorten the messages, or restart the server with "
+                                        f"a larger --max-len", "messages")
+            max_tokens = room if chat else 16
         kw["max_new_tokens"] = max_tokens
         return ids, kw
 
@@ -218,8 +235,13 @@ def client_gone(sock: socket.socket) -> bool:
     """True when the peer has closed the connection: the socket reads as ready and a peek finds the end of the
     stream (bytes waiting, e.g. a pipelined next request, mean the client is still there)."""
     try:
-        ready, _, _ = select.select([sock], [], [], 0)
-        return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
+        if hasattr(select, "poll"):  # select.select refuses descriptors >= 1024 (FD_SETSIZE), which a busy server reaches
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            ready = bool(poller.poll(0))
+        else:
+            ready = bool(select.select([sock], [], [], 0)[0])
+        return ready and sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):  # reset, or already closed
         return True
 
@@ -326,7 +348,13 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
         def do_HEAD(self) -> None:
-            self.send_response(200 if self._route() in ("/health", "/v1/models") else 404)
+            try:
+                self._body()  # read (and drop) any body, so the next request on this connection starts clean
+            except RequestError:
+                self.close_connection = True
+            path = self._route()
+            ok = path in ("/health", "/v1/models", f"/v1/models/{server.model_name}")
+            self.send_response(200 if ok else 404)
             self.send_header("Content-Length", "0")
             self.end_headers()
 
@@ -339,8 +367,11 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                     raise RequestError(404, f"no route POST {path}; use /v1/completions or /v1/chat/completions")
                 try:
                     body = json.loads(raw or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                    reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                # ValueError also covers JSONDecodeError, UnicodeDecodeError and an integer past Python's digit limit
+                except (ValueError, RecursionError) as e:
+                    reason = ("nested too deeply" if isinstance(e, RecursionError) else str(e)
+                              if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else
+                              "a number with more digits than Python reads")
                     raise RequestError(400, f"the request body is not valid JSON ({reason}); send a JSON object") \
                         from None
                 chat = routes[path]
@@ -356,7 +387,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                         try:
                             for ev in events:
                                 self._event(ev)
-                        except (BrokenPipeError, ConnectionResetError):
+                        except (BrokenPipeError, ConnectionResetError, socket.timeout):  # the client left or stalled
                             raise
                         except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
                             status = 400 if isinstance(e, SpdConfigError) else 500

@@ -672,6 +672,12 @@ def test_stop_strings(default_target, method):
     ids = tok.encode("x: a", add_special_tokens=False) + [special] * 40 + tok.encode("b", add_special_tokens=False)
     split = StopStrings(default_target.decode, ["ab"])
     assert [split(i) for i in ids] == [False] * (len(ids) - 1) + [True]
+    # special tokens, then one token whose own text is longer than the window: the stop string's start still counts
+    ids = tok.encode("x", add_special_tokens=False) + [special] * 10 + tok.encode("================",
+                                                                                add_special_tokens=False)
+    assert len(default_target.decode(ids[-1:])) >= 16
+    wide = StopStrings(default_target.decode, ["x="])
+    assert [wide(i) for i in ids] == [False] * (len(ids) - 1) + [True]
     for bad in ("", [""], 5, ["a", 3]):
         with pytest.raises(SpdConfigError, match="stop must be a non-empty string or a list of non-empty strings"):
             eng.generate("Count:", 4, method=method, stop=bad)

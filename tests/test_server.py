@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 
 import pytest
@@ -118,6 +119,10 @@ def test_streamed_answers_equal_the_whole_answer(served):
     ({"prompt": "hi", "temprature": 0}, 400, r"unknown field\(s\) temprature; this server takes"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop must be a non-empty string or a list of non-empty strings"),
     ({"prompt": "hi", "stream_options": "usage"}, 400, "stream_options must be an object"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, 400, "^stop takes at most 16 strings, got 17; send fewer$"),
+    ({"prompt": "hi", "stop": "a" * 257}, 400, "^a stop string may have at most 256 characters, got one of 257; "),
+    ({"prompt": "hi", "temperature": 10 ** 400}, 400, "^temperature is out of range, got a 401-digit number$"),
+    ({"prompt": "hi", "top_p": -10 ** 400}, 400, "^top_p is out of range, got a 401-digit number$"),
 ])
 def test_bad_requests_name_the_problem(served, body, status, message):
     import re
@@ -145,6 +150,18 @@ def test_routes_and_malformed_bodies(served):
     assert status == 400 and "messages[0].content must be a string" in json.loads(text)["error"]["message"]
     status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": []})
     assert status == 400 and "messages must be a non-empty list" in json.loads(text)["error"]["message"]
+    status, _, text = request(port, "POST", "/v1/completions", raw=b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}")
+    assert status == 400 and json.loads(text)["error"]["message"] == (
+        "the request body is not valid JSON (a number with more digits than Python reads); send a JSON object")
+    # a chat request without max_tokens gets the room left after its prompt; a prompt that leaves none is refused
+    # with the fix that applies (not "lower max_tokens", which the client never sent)
+    long = {"messages": [{"role": "user", "content": "word " * 1100}]}
+    status, _, text = request(port, "POST", "/v1/chat/completions", long)
+    msg = json.loads(text)["error"]["message"]
+    assert status == 400 and re.fullmatch(r"the prompt \(\d+ tokens\) leaves no room for an answer in the KV cache "
+                                          r"and the model's context; shorten the messages, or restart the server "
+                                          r"with a larger --max-len", msg), msg
+    assert json.loads(text)["error"]["param"] == "messages"
 
 
 def test_one_request_at_a_time_and_a_client_leaving_mid_stream_frees_the_engine(served):
@@ -244,6 +261,10 @@ def test_bodies_routes_and_methods_keep_the_connection_usable(served):
     assert status == 200 and json.loads(text)["id"] == "smollm2"
     status, text = ask("GET", "/v1/models/other")
     assert status == 404 and "the model 'other' does not exist" in text
+    # HEAD answers as GET would, without a body, and reads a body sent with it
+    assert [ask("HEAD", p, b"{}")[0] for p in ("/v1/models/smollm2", "/v1/models/other", "/health")] == [200, 404, 200]
+    status, text = ask("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1}))
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 1
     status, text = ask("OPTIONS", "/v1/completions")
     assert status == 405 and json.loads(text)["error"]["message"].startswith("method OPTIONS is not supported")
     status, text = ask("POST", "/v1/completions", "[" * 100000 + "]" * 100000)
@@ -260,6 +281,36 @@ def test_bodies_routes_and_methods_keep_the_connection_usable(served):
         r = c.getresponse()
         assert r.status == code and message in r.read().decode()
         c.close()
+
+
+def test_client_gone_reads_sockets_past_descriptor_1024():
+    """select.select refuses descriptors >= 1024; a busy server's sockets get there, and a client still connected
+    must not count as gone (its request would stop after the first piece)."""
+    import os
+    import resource
+    import socket
+
+    from spd_fast.server import client_gone
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = 1500
+    if soft <= high:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    a, b = socket.socketpair()
+    try:
+        s = socket.socket(fileno=os.dup2(a.fileno(), high))
+        assert s.fileno() == high
+        assert not client_gone(s)           # connected, nothing sent
+        b.sendall(b"x")
+        assert not client_gone(s)           # bytes waiting: still there
+        s.recv(1)
+        b.close()
+        assert client_gone(s)               # the peer closed
+        s.close()
+    finally:
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_bind_errors_name_the_right_fix():
