@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `spd-fast ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # a path the file system refuses (too long, unreadable, a device): one line, no traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"spd-fast: error: {e.strerror or e}{where}; check the path and its permissions", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -187,8 +187,10 @@ def check_output(path: str | None, option: str, stem: bool = False) -> None:
     made. `stem`: the path is a stem that gets .json/.md suffixes (eval)."""
     from .config import SpdConfigError
 
-    if not path:
+    if path is None:
         return
+    if not str(path).strip():
+        raise SpdConfigError(f"{option} is empty; name a file, or leave {option} out")
     p = Path(path)  # as the writers will use it (no ~ expansion: the shell does that)
     # a stem (eval) may name a directory: <stem>.json and <stem>.md are written beside it
     if (p.is_dir() and not stem) or str(path).endswith(("/", os.sep)):

@@ -40,14 +40,15 @@ def add_parser(sub: Any) -> None:
 def _prompt(args: argparse.Namespace) -> Any:
     from .config import SpdConfigError
 
-    if args.prompt is not None and (args.user or args.system):
+    # an empty --system is a system message (it replaces the chat template's default one), not no message
+    if args.prompt is not None and (args.user or args.system is not None):
         raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
     if args.prompt is not None:
         return args.prompt
     if args.user:
-        return ([{"role": "system", "content": args.system}] if args.system else []) + \
+        return ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                [{"role": "user", "content": u} for u in args.user]
-    if args.system:
+    if args.system is not None:
         raise SpdConfigError("--system needs at least one --user message")
     raise SpdConfigError("give a prompt: a positional string or --user 'message' (chat template)")
 

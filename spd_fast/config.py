@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,15 +73,16 @@ class ModelConfig:
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             raise SpdConfigError(
                 f"unsupported model_type {model_type!r}; spd_fast supports "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3)")
         bias_default, qk_norm = SUPPORTED_ARCHITECTURES[model_type]
-        missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
+        missing = [k for k in _REQUIRED_HF_KEYS if cfg.get(k) is None]
         if missing:
             raise SpdConfigError(f"the model's config.json lacks {', '.join(missing)}; it is not a complete Hugging Face "
                                  f"{model_type} config (re-export the checkpoint with transformers' save_pretrained)")
+        _check_hf_values(cfg)
         # settings the model code does not implement: refuse rather than load wrong logits silently
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -123,7 +125,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg["rms_norm_eps"] if cfg.get("rms_norm_eps") is not None else 1e-6,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -154,6 +156,51 @@ class ModelConfig:
 
 
 _REQUIRED_HF_KEYS = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers")
+_POSITIVE_INT_HF_KEYS = _REQUIRED_HF_KEYS + ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_hf_values(cfg: dict[str, Any]) -> None:
+    """The values of a config.json that the model code reads, checked before anything is built: a wrong one
+    would otherwise end in a ZeroDivisionError or a shape mismatch deep inside loading, or in the tokenizer's
+    own config check, which names the wrong file."""
+    def bad(key: str, want: str) -> SpdConfigError:
+        return SpdConfigError(f"config.json: {key} must be {want}, got {cfg[key]!r}; fix it (or re-export the "
+                              f"checkpoint with transformers' save_pretrained)")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for k in _POSITIVE_INT_HF_KEYS:
+        if k in cfg and (cfg[k] is not None or k == "max_position_embeddings") and not (is_int(cfg[k]) and cfg[k] >= 1):
+            raise bad(k, "a positive integer")
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise SpdConfigError(f"config.json: num_key_value_heads ({kv}) must divide num_attention_heads ({heads}); fix "
+                             f"it (or re-export the checkpoint with transformers' save_pretrained)")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise SpdConfigError(f"config.json: num_attention_heads ({heads}) must divide hidden_size "
+                             f"({cfg['hidden_size']}), or head_dim must be given; fix it")
+    for k in ("rms_norm_eps", "rope_theta"):
+        if cfg.get(k) is not None and not (is_number(cfg[k]) and cfg[k] > 0):
+            raise bad(k, "a positive number")
+    for k in ("rope_scaling", "rope_parameters"):
+        v = cfg.get(k)
+        if v is not None and not isinstance(v, dict):
+            raise bad(k, "an object (or null)")
+        if isinstance(v, dict) and v.get("rope_type", v.get("type")) == "llama3":
+            missing = [x for x in _LLAMA3_ROPE_KEYS if not is_number(v.get(x))]
+            if missing:
+                raise SpdConfigError(f"config.json: {k} of type 'llama3' needs the numbers {', '.join(missing)}; "
+                                     f"fix it (or re-export the checkpoint with transformers' save_pretrained)")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not (is_int(eos) or (isinstance(eos, list) and all(map(is_int, eos)))):
+        raise bad("eos_token_id", "a token id or a list of token ids")
+    if cfg.get("bos_token_id") is not None and not is_int(cfg["bos_token_id"]):
+        raise bad("bos_token_id", "a token id")
 
 
 def check_layer_indices(values: Any, what: str, example: list[int]) -> tuple[int, ...]:

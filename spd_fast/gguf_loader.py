@@ -70,8 +70,18 @@ def gguf_config(reader) -> dict[str, Any]:
         raise SpdConfigError(
             f"unsupported GGUF architecture {arch!r}; spd_fast supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        v = g(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"this GGUF file lacks a valid {arch}.{key} (a positive integer; it holds {v!r}); "
+                                  f"re-convert the model with llama.cpp's convert_hf_to_gguf.py")
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    kv = g("attention.head_count_kv", heads)
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or heads % kv:
+        raise CheckpointError(f"this GGUF file's {arch}.attention.head_count_kv ({kv!r}) must be a positive integer "
+                              f"that divides {arch}.attention.head_count ({heads}); re-convert the model with "
+                              f"llama.cpp's convert_hf_to_gguf.py")
     if (g("expert_count") or 0) > 0:
         raise SpdConfigError(f"this GGUF file is a mixture-of-experts {arch} model ({g('expert_count')} experts), "
                              f"which spd_fast does not run; use a dense model")
@@ -136,8 +146,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         if t.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[t.name]
         elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _LAYER_NAMES:  # dropping it would run another model (e.g. MLP or output biases)
+            parts = t.name.split(".", 2)
+            idx, rest = (parts[1], parts[2]) if len(parts) == 3 and parts[1].isdigit() else ("", t.name)
+            if rest not in _LAYER_NAMES or not idx:  # dropping it would run another model (e.g. MLP or output biases)
                 raise CheckpointError(f"{path} holds tensor {t.name}, which a supported {cfg['model_type']} layer "
                                       f"does not have, so spd_fast would run the model without it and give wrong "
                                       f"logits; use a checkpoint of a supported architecture (docs: README, Usage)")

@@ -65,16 +65,22 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from e
+            wmap = json.loads(index.read_text())["weight_map"]
+            if not isinstance(wmap, dict) or not all(isinstance(n, str) and n for n in wmap.values()):
+                raise ValueError("weight_map must map tensor names to shard file names")
+            names = sorted(set(wmap.values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); re-save the "
+                                  f"checkpoint") from None
         files = [path / n for n in names]
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}; save the model with save_pretrained(safe_serialization=True)")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():
-            raise CheckpointError(f"shard {f.name} named in the index is missing from {path}")
+            where = "named in the index " if index.is_file() else ""
+            raise CheckpointError(f"shard {f.name} {where}is missing from {path} (or is not a file); copy the "
+                                  f"checkpoint again")
         try:
             sd.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own SafetensorError for truncation / bad headers
@@ -113,8 +119,13 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=False)
+    try:
+        missing, unexpected = model.load_state_dict(
+            {k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=False)
+    except RuntimeError as e:  # a tensor of another shape than the config gives it
+        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise CheckpointError(f"the config does not match the weights ({first}); use the checkpoint's own "
+                              f"config.json") from None
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not match the {cfg.model_type} layout: missing {missing[:5]}, "

@@ -125,6 +125,9 @@ class DraftConfig:
                 f"num_layers={L} (default: the stage boundaries {list(b)})")
         if num_layers < 1:
             raise SpdConfigError(f"the draft head needs at least one decoder layer, got num_layers={num_layers}")
+        if num_layers > L:  # also keeps a typo (draft_layers=10**6) from allocating until the machine runs out
+            raise SpdConfigError(f"the draft head may have at most {L} decoder layers (its target's depth), got "
+                                 f"num_layers={num_layers}; a draft head is a small fraction of the target (1-4)")
         V = target_cfg.vocab_size
         size = draft_vocab_size
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= V:
@@ -215,6 +218,10 @@ class DraftConfig:
         for k in ("num_layers", "draft_vocab_size", "base_hidden_size", "base_num_layers", "base_vocab_size"):
             if k in d and (not isinstance(d[k], int) or isinstance(d[k], bool)):
                 raise TypeError(f"{k} must be an integer, got {d[k]!r}")
+        if isinstance(d.get("num_layers"), int) and isinstance(d.get("base_num_layers"), int) and \
+                not 1 <= d["num_layers"] <= d["base_num_layers"]:
+            raise TypeError(f"num_layers must lie in 1..{d['base_num_layers']} (the target's depth), got "
+                            f"{d['num_layers']}")
         if not isinstance(d.get("frozen_lm_head", True), bool):
             raise TypeError(f"frozen_lm_head must be true or false, got {d['frozen_lm_head']!r}")
         return DraftConfig(**d)

@@ -124,7 +124,18 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                 for f in found:
                     shutil.copyfile(Path(tokenizer_from) / f, tmp / f)
             else:
-                AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+                try:
+                    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                except OSError:
+                    raise
+                except Exception as e:  # no tokenizer metadata, or a kind transformers cannot rebuild
+                    from .loading import CheckpointError
+
+                    reason = " ".join(str(e).split())[:300]
+                    raise CheckpointError(f"cannot rebuild the tokenizer stored in {path} ({type(e).__name__}: "
+                                          f"{reason}); use the model's Hugging Face checkpoint directory, or a GGUF "
+                                          f"file with tokenizer metadata") from None
+                tok.save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
                  "torch": torch.__version__}))

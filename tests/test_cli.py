@@ -493,11 +493,35 @@ def test_committed_self_distillation_data_is_readable():
     pytest.param(["generate", "--user", "hi", "--lookup", "65"], "lookup must be an integer from 0 to 64", id="lookup-big"),
     pytest.param(["generate", "--user", "hi", "--device", "gpu"], "device 'gpu' is not a valid device", id="device"),
     pytest.param(["generate", "hi", "--temperature", "1", "--seed", str(2**70)], "is out of range", id="seed-range"),
+    pytest.param(["eval", "--out", ""], "--out is empty; name a file, or leave --out out", id="eval-out-empty"),
+    pytest.param(["bench", "--out", " "], "--out is empty; name a file, or leave --out out", id="bench-out-blank"),
 ])
 def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
     rc, _, err = run_cli(argv, capsys)
     assert rc == 2 and message in err
     assert len(err.strip().splitlines()) == 1, err  # one line, argparse's malformed arguments included
+
+
+def test_a_path_the_file_system_refuses_is_one_line_not_a_traceback(capsys, tmp_path):
+    """A name over the file system's limit raised OSError (File name too long) from deep inside loading."""
+    rc, _, err = run_cli(["generate", "--user", "hi", "--model", str(tmp_path / ("a" * 300))], capsys)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("spd-fast: error: File name too long (") and err.strip().endswith(
+        "; check the path and its permissions"), err
+
+
+def test_an_empty_system_message_is_sent_not_dropped():
+    """--system '' replaces the chat template's default system prompt with an empty one; it used to be dropped,
+    and the template's default was used."""
+    from argparse import Namespace
+
+    from spd_fast.cli_generate import _prompt
+
+    msgs = _prompt(Namespace(prompt=None, user=["Hi"], system=""))
+    assert msgs == [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}]
+    assert _prompt(Namespace(prompt=None, user=["Hi"], system=None)) == [{"role": "user", "content": "Hi"}]
+    with pytest.raises(SpdConfigError, match="--system needs at least one --user message"):
+        _prompt(Namespace(prompt=None, user=None, system=""))
 
 
 def test_a_kernel_backend_the_device_cannot_run_fails_before_any_output(capsys, monkeypatch):

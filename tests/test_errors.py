@@ -163,14 +163,18 @@ def test_garbage_gguf(tmp_path):
 
 
 def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict | None = None,
-               seed: int = 0) -> None:
+               seed: int = 0, drop: tuple[str, ...] = ()) -> None:
+    """drop: GGUFWriter.add_* metadata calls to leave out (e.g. "block_count"), or to make with a 0 ("zero:...")."""
     import gguf
     import numpy as np
 
     w = gguf.GGUFWriter(str(path), "llama")
     H, V, F = 64, 97, 96
-    w.add_context_length(512), w.add_embedding_length(H), w.add_block_count(1), w.add_feed_forward_length(F)
-    w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(500000.0)
+    for name, value in (("context_length", 512), ("embedding_length", H), ("block_count", 1),
+                        ("feed_forward_length", F), ("head_count", 4), ("head_count_kv", 2)):
+        if name not in drop:
+            getattr(w, f"add_{name}")(0 if f"zero:{name}" in drop else value)
+    w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(500000.0)
     w.add_vocab_size(V)
     for key, value in (kv or {}).items():
         (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
@@ -461,6 +465,98 @@ def test_bad_boundaries_and_anchors(tiny_checkpoint):
     # placement checks count the stages first: a bad boundaries value is named, not a TypeError from len()
     with pytest.raises(SpdConfigError, match="stage boundaries must be a sequence of integer layer indices, got 3"):
         spd_fast.load(model=tiny_checkpoint("llama"), boundaries=3, placement="streams", draft="random")
+
+
+@pytest.mark.parametrize("drop,extra_tensor,message", [
+    (("block_count",), None, r"lacks a valid llama.block_count \(a positive integer; it holds None\); re-convert"),
+    (("zero:head_count",), None, r"lacks a valid llama.attention.head_count \(a positive integer; it holds 0\)"),
+    (("zero:head_count_kv",), None, r"head_count_kv \(0\) must be a positive integer that divides "
+                                    r"llama.attention.head_count \(4\)"),
+    ((), "blk.weird", r"holds tensor blk.weird, which a supported llama layer does not have"),
+], ids=["no-block-count", "zero-heads", "zero-kv-heads", "odd-tensor-name"])
+def test_gguf_metadata_missing_or_malformed_is_named(tmp_path, drop, extra_tensor, message):
+    """A GGUF without a layer count or with zero heads used to end in a TypeError or ZeroDivisionError (or be
+    converted and cached with num_hidden_layers null); a tensor named blk.<not a number> in a ValueError."""
+    from spd_fast.gguf_loader import read_gguf
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, extra_tensor=extra_tensor, drop=drop)
+    with pytest.raises(SpdConfigError, match=message):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_rebuilt_is_named_and_nothing_is_cached(tmp_path, monkeypatch):
+    from spd_fast.store import convert_gguf
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False)  # no tokenizer metadata at all
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SpdConfigError, match=r"cannot rebuild the tokenizer stored in .*m.gguf \(.*\); use the "
+                                             r"model's Hugging Face checkpoint directory, or a GGUF file with "
+                                             r"tokenizer metadata"):
+        convert_gguf(tmp_path / "m.gguf", progress=False)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_attention_heads": 0}, r"config.json: num_attention_heads must be a positive integer, got 0; fix it"),
+    ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads \(3\) must divide num_attention_heads \(4\)"),
+    ({"max_position_embeddings": None}, r"max_position_embeddings must be a positive integer, got None"),
+    ({"vocab_size": None}, r"config.json lacks vocab_size"),
+    ({"model_type": ["llama"]}, r"unsupported model_type \['llama'\]"),
+    ({"rope_scaling": "linear"}, r"config.json: rope_scaling must be an object \(or null\), got 'linear'"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, r"rope_scaling of type 'llama3' needs the numbers factor, "
+                                                r"low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ({"rope_theta": -1.0}, r"config.json: rope_theta must be a positive number, got -1.0"),
+    ({"rms_norm_eps": "1e-6"}, r"config.json: rms_norm_eps must be a positive number, got '1e-6'"),
+    ({"eos_token_id": "2"}, r"config.json: eos_token_id must be a token id or a list of token ids, got '2'"),
+    ({"bos_token_id": [1]}, r"config.json: bos_token_id must be a token id, got \[1\]"),
+], ids=lambda v: "-".join(v) if isinstance(v, dict) else None)
+def test_bad_config_values_are_named_before_anything_is_built(tiny_checkpoint, tmp_path, change, message):
+    """A config.json value the model code cannot use used to end in a ZeroDivisionError, AttributeError or
+    TypeError, or in the tokenizer's own config check, whose message blamed the tokenizer files."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(SpdConfigError, match=message):
+        load_hf_dir(d)
+    with pytest.raises(SpdConfigError, match=message):
+        spd_fast.load(model=str(d), draft="random", max_len=64)
+
+
+def test_weights_of_another_shape_than_the_config_and_malformed_indexes_are_named(tiny_checkpoint, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 3}))
+    with pytest.raises(SpdConfigError, match=r"the config does not match the weights \(size mismatch for "
+                                             r"embed.weight.*\); use the checkpoint's own config.json"):
+        load_hf_dir(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    for index in ([1, 2], {"weight_map": ["model.safetensors"]}, {"weight_map": {"a": 3}}):
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(SpdConfigError, match=r"model.safetensors.index.json is not a valid safetensors index "
+                                                 r"\(.*\); re-save the checkpoint"):
+            load_hf_dir(d)
+    (d / "model.safetensors.index.json").unlink()
+    shard = next(d.glob("*.safetensors"))
+    shard.rename(d / "moved")
+    shard.mkdir()
+    with pytest.raises(SpdConfigError, match=r"no \*.safetensors files|shard model.safetensors is missing"):
+        load_hf_dir(d)
+
+
+def test_a_draft_head_deeper_than_its_target_is_refused(tiny_checkpoint, tmp_path):
+    """draft_layers=10**6 once allocated layers until the machine ran out of memory."""
+    from spd_fast.pdm import DraftConfig
+
+    with pytest.raises(SpdConfigError, match=r"the draft head may have at most 6 decoder layers \(its target's "
+                                             r"depth\), got num_layers=1000000"):
+        spd_fast.load(model=tiny_checkpoint("llama"), draft="random", draft_layers=10 ** 6, max_len=64)
+    head = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", draft_layers=2, max_len=64).spd.drafter.head
+    d = json.loads(head.dcfg.to_json())
+    with pytest.raises(TypeError, match=r"num_layers must lie in 1..6 \(the target's depth\), got 1000000"):
+        DraftConfig.from_json(json.dumps({**d, "num_layers": 10 ** 6}))
 
 
 def test_broken_hf_config(tiny_checkpoint, tmp_path):
