@@ -57,6 +57,17 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed torch takes, an integer in [-2**63, 2**64 - 1]."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not -2 ** 63 <= v <= 2 ** 64 - 1:
+        raise argparse.ArgumentTypeError(f"seed {v} is out of range; use an integer in [-2**63, 2**64 - 1]")
+    return v
 MAX_THREADS = 4096
 
 

@@ -231,3 +231,24 @@ def test_copy_boost_calibration_matches_per_row_brute_force(tiny_checkpoint):
     assert len({round(v, 6) for v in means.values()}) == len(boosts)  # the boost changes q on these rows
     with pytest.raises(SpdConfigError, match=r"copy boosts must be numbers in \[0, 30\], got -1.0"):
         calibrate(FakeTarget(m), head, data, (0.7,), (1.0,), lookup=1, copy_boosts=(-1.0,))
+
+
+def test_empty_answers_score_no_padding_and_no_answer_at_all_is_an_error(tiny_checkpoint):
+    """An empty sample's loss mask once covered the whole padded width (its slice [0:-1]), so calibration scored
+    padding as answer rows; and with no answer row in reach it "calibrated" the first grid value."""
+    from spd_fast.train.trainer import collate
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 2)
+    _, _, mask = collate([data[0], {"prompt_ids": [], "response_ids": []}], 64)
+    assert not mask[1].any() and mask[0].any()
+    head = _head(m)
+    full = calibrate(FakeTarget(m), head, data, (1.0,), (1.0,), max_seq_len=64)
+    with_empty = calibrate(FakeTarget(m), head, data + [{"prompt_ids": [], "response_ids": []}], (1.0,), (1.0,),
+                           max_seq_len=64)
+    assert with_empty["rows"] == full["rows"] > 0
+    long = [{"prompt_ids": smp["prompt_ids"] * 40, "response_ids": smp["response_ids"]} for smp in data]
+    assert all(len(s["prompt_ids"]) > 64 for s in long)
+    with pytest.raises(SpdConfigError, match=r"none of the 2 --val samples has an answer token within the first 64 "
+                                             r"tokens .*; pass held-out samples with answers and shorter prompts"):
+        calibrate(FakeTarget(m), head, long, (1.0,), (1.0,), max_seq_len=64)

@@ -599,6 +599,12 @@ def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, 
     st2, am2 = cache.get(4)
     torch.testing.assert_close(st, st2, atol=1e-3, rtol=1e-3)
     assert torch.equal(am, am2)
+    # a progress file cut short by a killed build is not a traceback: that cache is built again, to the same states
+    done = other.root / "done.npy"
+    done.write_bytes(done.read_bytes()[:20])
+    rebuilt = build_feature_cache(m, "tiny", data[:5], tmp_path / "fc", dcfg.anchors, 64, progress=False)
+    assert rebuilt.root == other.root and torch.equal(rebuilt.get(4)[1], am)
+    assert not list(other.root.glob("*.tmp"))
 
 
 def test_one_cache_per_source_reuses_the_old_sources(tiny_checkpoint, tmp_path):

@@ -293,7 +293,8 @@ def test_max_seq_len_drops_samples_it_leaves_no_answer_in(full_vocab_checkpoint,
     data.write_text(json.dumps(long_prompt) + "\n")
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1"), capsys)
     assert rc == 2 and "--max-seq-len 64 leaves no answer token of any of the 1 samples inside the window" in err
-    assert "raise --max-seq-len above the prompts' length" in err
+    shortest = int(re.search(r"the shortest prompt has (\d+) tokens", err).group(1))
+    assert f"raise --max-seq-len to at least {shortest + 1}" in err and shortest > 64
     data.write_text(json.dumps(long_prompt) + "\n" + "".join(json.dumps(r) + "\n" for r in CHAT)
                     + json.dumps({"text": "long " * 100}) + "\n")
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1"), capsys)
@@ -521,3 +522,88 @@ def test_a_damaged_parquet_file_is_named(full_vocab_checkpoint, tmp_path, capsys
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert f"data file {f} cannot be read as parquet (ValueError: Parquet magic bytes not found" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_fresh_start_drops_the_discarded_runs_state(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    """--no-resume used to leave the old trainer_state.pt until the new run's first checkpoint: a run stopped
+    before it, then started again without --no-resume, resumed the run the user had discarded."""
+    from spd_fast.train import trainer as trmod
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    out = tmp_path / "o"
+    assert run(small(full_vocab_checkpoint, out, "--data", str(data), "--steps", "2"), capsys)[0] == 0
+    assert (out / "trainer_state.pt").is_file()
+
+    def stop(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trmod.PdmTrainer, "train_step", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_main(small(full_vocab_checkpoint, out, "--data", str(data), "--steps", "5", "--no-resume"))
+    assert not (out / "trainer_state.pt").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seed", str(10 ** 30)], "seed 1000000000000000000000000000000 is out of range; use an integer in [-2**63"),
+    (["--prompts", "/nonexistent.jsonl"], "--prompts only apply to --data self-distill, which this run does not use"),
+    (["--max-prompts", "5", "--gen-temperature", "0.7"], "--max-prompts, --gen-temperature only apply to --data "
+                                                         "self-distill"),
+])
+def test_options_out_of_range_or_for_another_data_source_are_refused(full_vocab_checkpoint, tmp_path, capsys, extra,
+                                                                     message):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1", *extra), capsys)
+    assert rc == 2 and message in err, err
+
+
+def test_out_under_a_file_and_a_validation_set_of_empty_answers_are_refused(full_vocab_checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    rc, err = run(small(full_vocab_checkpoint, data / "sub", "--data", str(data), "--steps", "1"), capsys)
+    assert rc == 2 and f"cannot create --out {data / 'sub'} (Not a directory); choose another path" in err, err
+    val = tmp_path / "v.jsonl"
+    val.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"prompt_ids": [1, 2], "response_ids": []}) + "\n")
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "1", "--val", str(val)),
+                  capsys)
+    assert rc == 2 and "every --val sample has an empty answer" in err, err
+
+
+def test_prompt_files_that_hold_nothing_or_are_directories_are_named(tmp_path):
+    from spd_fast.config import SpdConfigError
+    from spd_fast.train.data import load_prompts
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(SpdConfigError, match=r"prompt file .*empty.jsonl holds no prompts"):
+        load_prompts(tmp_path / "empty.jsonl")
+    with pytest.raises(SpdConfigError, match=r"prompt file .* is a directory; pass a .jsonl file"):
+        load_prompts(tmp_path)
+
+
+def test_data_files_with_a_byte_order_mark_a_corrupt_gzip_or_a_cut_last_line(tmp_path):
+    """A UTF-8 byte-order mark is not data; a gzip whose stream is damaged mid-way is named (zlib.error was a
+    traceback); a self-distillation file cut mid-line by a killed run is trimmed back to its last whole line."""
+    import gzip
+
+    from spd_fast.config import SpdConfigError
+    from spd_fast.train.data import _drop_partial_line, read_jsonl
+
+    rows = [{"id": str(i), "prompt": "x" * 50 + str(i)} for i in range(400)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + text, encoding="utf-8")
+    assert read_jsonl(tmp_path / "bom.jsonl") == rows
+    raw = bytearray(gzip.compress(text.encode()))
+    raw[len(raw) // 2: len(raw) // 2 + 8] = b"\xff" * 8
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(raw))
+    with pytest.raises(SpdConfigError, match=r"bad.jsonl.gz is not a complete gzip file"):
+        read_jsonl(tmp_path / "bad.jsonl.gz")
+    cut = tmp_path / "sd.jsonl"
+    cut.write_text(text + '{"id": "400", "pro')
+    _drop_partial_line(cut)
+    assert cut.read_text() == text and read_jsonl(cut) == rows
+    _drop_partial_line(cut)  # a whole file stays as it is
+    assert cut.read_text() == text
+    cut.write_text('{"id": "0", "pro')  # no whole line at all
+    _drop_partial_line(cut)
+    assert cut.read_text() == ""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.ArgumentParser:
     from ..cli_common import (DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int,
-                              positive_int, thread_count)
+                              positive_int, seed_int, thread_count)
 
     p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head). The last checkpoint "
                "is OUT/head and, with --val, the best on validation OUT/best_head: pass either as `draft`.",
@@ -70,7 +70,7 @@ def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.Arg
                         "--steps extends it")
     p.add_argument("--save-every", type=positive_int, default=50,
                    help="steps between checkpoints (and validations with --val)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the head's initialisation, batch order and fill "
+    p.add_argument("--seed", type=seed_int, default=0, help="seeds the head's initialisation, batch order and fill "
                    "augmentation")
     p.add_argument("--threads", type=thread_count, default=0, help="CPU threads (0 = torch's default)")
     p.add_argument("--no-resume", action="store_true",
@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
               f"{len(a.boundaries) - 1} stages, not --num-stages {a.num_stages}; drop one of the two", file=sys.stderr)
         return 2
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"spd_fast.train: error: cannot create --out {out} ({e.strerror}); choose another path", file=sys.stderr)
+        return 2
     log_f = open(out / "train_log.jsonl", "a") if rank == 0 else None
 
     def log(msg: str) -> None:
@@ -155,6 +159,13 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     try:
         target = load_target(a.model, dtype=dtype, device=device, warn_dtype=False)  # training does not decode packed
         samples: list[dict] = []
+        if "self-distill" not in (a.data or ["self-distill"]):  # options of a data source this run does not use
+            parser = build_parser()
+            unused = [f"--{d.replace('_', '-')}" for d in ("prompts", "max_prompts", "gen_max_new_tokens", "gen_batch",
+                                                         "gen_temperature") if getattr(a, d) != parser.get_default(d)]
+            if unused:
+                raise SpdConfigError(f"{', '.join(unused)} only apply to --data self-distill, which this run does not "
+                                     f"use; drop them, or add --data self-distill")
         for src in a.data or ["self-distill"]:
             if src == "self-distill":
                 prompts = load_prompts(a.prompts)
@@ -179,8 +190,8 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
                     raise SpdConfigError(f"data file {src} does not exist")
                 samples += [dict(r, _source=str(Path(src).resolve())) for r in text_file_samples(src, target)]
         if not samples:
-            raise SpdConfigError(f"the data files ({', '.join(a.data)}) hold no rows to train on; pass files with "
-                                 f"rows, or --data self-distill")
+            raise SpdConfigError(f"the data ({', '.join(a.data or ['self-distill'])}) hold no rows to train on; pass "
+                                 f"files with rows, or --data self-distill")
         empty = sum(not r["response_ids"] for r in samples)  # nothing to take a loss on
         samples = [r for r in samples if r["response_ids"]]
         if not samples:
@@ -194,6 +205,9 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
         val = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
         # rows whose answer starts past --max-seq-len score nothing: none at all would look like a perfect head
         val = drop_unlearnable(val, a.max_seq_len, "validation samples")[0]
+        if a.val and not val:
+            raise SpdConfigError(f"every --val sample has an empty answer ({', '.join(a.val)}); pass held-out samples "
+                                 f"with answers, or leave --val out")
         steps = a.steps
         if a.epochs > 0:  # under torchrun each step takes one batch per rank
             def count(e: int) -> int:

@@ -185,6 +185,10 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
             p_dv = torch.softmax(t_logits / t, -1)[:, dv]  # the draft has no mass outside V_d
             for s in scales:
                 sums[(t, s)] += float(torch.minimum(p_dv, torch.softmax(s_logits / (t * s), -1)).sum())
+    if not rows:  # every figure below would be 0 and the first grid value "best": nothing to write
+        raise SpdConfigError(f"none of the {len(samples)} --val samples has an answer token within the first "
+                             f"{max_seq_len} tokens (a longer prompt leaves its answer out); pass held-out samples "
+                             f"with answers and shorter prompts")
     rows_ = max(rows, 1.0)
     acc = {str(t): {str(s): sums[(t, s)] / rows_ for s in scales} for t in temperatures}
     mean = {str(s): sum(acc[str(t)][str(s)] for t in temperatures) / len(temperatures) for s in scales}
@@ -309,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
         check_output(a.out, "--out")
         target, head = load_target_and_head(a.head, a.model, a.threads)
-        res = calibrate(target, head, read_val_samples(a.val, target)[: a.val_limit], a.temperatures, a.scales,
+        samples = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
+        res = calibrate(target, head, samples, a.temperatures, a.scales,
                         lookup=a.lookup, gate_confidences=a.gate_confidences, gate_ratios=a.gate_ratios,
                         copy_boosts=a.copy_boosts)
     except SpdConfigError as e:

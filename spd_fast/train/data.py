@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import sys
+import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -24,7 +26,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     opener = gzip.open if str(path).lower().endswith(".gz") else open
     rows = []
     with _readable(path):
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is not data
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -47,11 +49,34 @@ def _readable(path: str | Path) -> Iterator[None]:
         yield
     except UnicodeDecodeError as e:
         raise SpdConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    except (gzip.BadGzipFile, EOFError) as e:
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise SpdConfigError(f"{path} is not a complete gzip file ({e}); recompress it, or drop the .gz suffix "
                              f"if it is plain text") from None
     except IsADirectoryError:
         raise SpdConfigError(f"{path} is a directory; pass a data file") from None
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a self-distillation file back to its last complete line: a run killed while writing an answer leaves
+    half a JSON line, which the resumed run would otherwise refuse (or glue its next answer onto)."""
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        if not size:
+            return
+        f.seek(max(size - 1, 0))
+        if f.read(1) == b"\n":
+            return
+        keep, pos = 0, size
+        while pos > 0 and not keep:  # the last newline, read backwards in 64 KiB blocks
+            step = min(pos, 1 << 16)
+            pos -= step
+            f.seek(pos)
+            cut = f.read(step).rfind(b"\n")
+            if cut >= 0:
+                keep = pos + cut + 1
+        f.truncate(keep)
+    print(f"self-distillation: dropped a partial last line of {path} ({size - keep} bytes; a run stopped while "
+          f"writing it), and go on from the answers before it", file=sys.stderr)
 
 
 def check_token_ids(ids: object, vocab_size: int | None, where: str, key: str) -> list[int]:
@@ -70,9 +95,13 @@ def check_token_ids(ids: object, vocab_size: int | None, where: str, key: str) -
 def load_prompts(path: str | Path | None = None) -> list[dict]:
     """{"id", "prompt"} records; default: the project's training prompt set."""
     path = Path(path) if path else PROMPTS_DIR / "train.jsonl"
+    if path.is_dir():
+        raise SpdConfigError(f"prompt file {path} is a directory; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
     if not path.is_file():
         raise SpdConfigError(f"prompt file {path} does not exist; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
     rows = read_jsonl(path)
+    if not rows:
+        raise SpdConfigError(f"prompt file {path} holds no prompts; pass a .jsonl file of {{\"id\", \"prompt\"}} rows")
     seen: dict = {}
     for n, r in enumerate(rows, 1):
         if not isinstance(r.get("prompt"), str) or "id" not in r:
@@ -99,6 +128,8 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     meta_path = out_path.with_name(out_path.name + ".meta.json")
     meta = {"fingerprint": target.fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
             "seed": seed}
+    if out_path.is_file():
+        _drop_partial_line(out_path)
     rows = read_jsonl(out_path) if out_path.is_file() else []
     if getattr(target.tokenizer, "chat_template", None) is None:
         raise SpdConfigError(f"self-distillation asks the model its prompts as chat messages, and the tokenizer in "
@@ -249,7 +280,7 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
         stem = path.name[: -len(".jsonl.gz")] if name.endswith(".gz") else path.name.rsplit(".", 1)[0]
         if name.endswith(".json"):
             with _readable(path):
-                text = path.read_text(encoding="utf-8")
+                text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not data
             try:
                 rows = json.loads(text)
             except ValueError as e:
@@ -290,7 +321,7 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
                    "response_ids": _model_ids(target.tokenizer.encode(text), target, f"data file {path}, row {i + 1}")}
     elif path.suffix.lower() in (".txt", ".text", ".md", ""):
         with _readable(path):
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")
         for i, block in enumerate(b for b in text.split("\n\n") if b.strip()):
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [],
                    "response_ids": _model_ids(target.tokenizer.encode(block), target, f"{path}, block {i + 1}")}

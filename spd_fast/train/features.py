@@ -80,6 +80,26 @@ def _check_room(d: Path, fresh: bool, size: int) -> None:
                              f"--no-feature-cache (the teacher then runs at every step instead)")
 
 
+def _save_atomic(path: Path, arr: np.ndarray) -> None:
+    """np.save through a temporary file and a rename: a run killed mid-write leaves the previous file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+    tmp.replace(path)
+
+
+def _read_done(path: Path, count: int) -> np.ndarray | None:
+    """The per-sample progress of an earlier build, or None (none, or a file that cannot be read or does not fit:
+    the build then starts that cache again)."""
+    if not path.is_file():
+        return None
+    try:
+        done = np.load(path)
+    except (ValueError, OSError, EOFError):
+        return None
+    return done if done.dtype == bool and done.shape == (count,) else None
+
+
 @torch.no_grad()
 def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[dict], root: str | Path,
                         anchors: Sequence[int], max_seq_len: int = 512, batch_tokens: int = 4096,
@@ -101,14 +121,15 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
     N, H = int(offsets[-1]), model.cfg.hidden_size
     meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "layers": layers,
             "max_seq_len": max_seq_len, "bf16": bf16, "offsets": offsets.tolist(), "samples": len(seqs)}
-    if (d / "meta.json").is_file() and (d / "done.npy").is_file() and bool(np.load(d / "done.npy").all()):
+    done_before = _read_done(d / "done.npy", len(seqs))
+    if (d / "meta.json").is_file() and done_before is not None and bool(done_before.all()):
         return FeatureCache(d)
     fresh = not (d / "states.npy").is_file()
     _check_room(d, fresh, N * len(layers) * H * 2 + N * 4)
     states = np.lib.format.open_memmap(d / "states.npy", mode="w+" if fresh else "r+", dtype=np.float16,
                                        shape=(N, len(layers), H))
     argmax = np.lib.format.open_memmap(d / "argmax.npy", mode="w+" if fresh else "r+", dtype=np.int32, shape=(N,))
-    done = np.zeros(len(seqs), dtype=bool) if fresh or not (d / "done.npy").is_file() else np.load(d / "done.npy")
+    done = np.zeros(len(seqs), dtype=bool) if fresh or done_before is None else done_before
     todo = sorted((i for i in range(len(seqs)) if not done[i]), key=lambda i: len(seqs[i]))
     batches, cur = [], []
     for i in todo:  # similar lengths together: little padding
@@ -142,11 +163,13 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
         if bi % 20 == 19 or bi == len(batches) - 1:
             states.flush()
             argmax.flush()
-            np.save(d / "done.npy", done)
+            _save_atomic(d / "done.npy", done)
             if model.device.type == "cpu":
                 heap.trim()
-    (d / "meta.json").write_text(json.dumps(meta))
-    np.save(d / "done.npy", done)
+    tmp = d / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(d / "meta.json")
+    _save_atomic(d / "done.npy", done)
     del states, argmax
     return FeatureCache(d)
 

@@ -412,7 +412,7 @@ class PdmTrainer:
                 f"{old_data['sha256']}; now {self.data_key['samples']}, {self.data_key['sha256']}): resuming would "
                 f"train the rest of its schedule on these data; pass the run's own --data (same files, same "
                 f"order) and --max-seq-len (it decides which samples are kept), or --no-resume (or another --out) "
-                f"to start over, or --init {out}/head to fine-tune its head")
+                f"to start over, or --no-resume --init {out}/head to fine-tune its head on these data")
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
@@ -460,7 +460,7 @@ def drop_unlearnable(samples: Sequence[dict], max_seq_len: int, what: str = "sam
         shortest = min(len(smp["prompt_ids"]) for smp in samples)
         raise SpdConfigError(f"--max-seq-len {max_seq_len} leaves no answer token of any of the {len(samples)} "
                              f"{what} inside the window (the shortest prompt has {shortest} tokens); raise "
-                             f"--max-seq-len above the prompts' length")
+                             f"--max-seq-len to at least {max(shortest, 1) + 1}")
     return kept, counts
 
 
@@ -503,7 +503,8 @@ def collate(batch: list[dict], max_seq_len: int) -> tuple[torch.Tensor, torch.Te
     for i, (s, smp) in enumerate(zip(seqs, batch)):
         ids[i, : len(s)] = torch.tensor(s)
         P = len(smp["prompt_ids"])
-        mask[i, max(P - 1, 0): len(s) - 1] = True
+        if len(s) > 1:  # (an empty row's slice [0:-1] would mark the whole padded width)
+            mask[i, max(P - 1, 0): len(s) - 1] = True
     return ids, torch.tensor([len(s) for s in seqs]), mask
 
 
@@ -699,7 +700,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
             _validate(trainer, val_samples, out, log)
         if trainer.step >= trainer.total_steps:
             log(f"the run in {out} had already finished ({trainer.step} steps): nothing to train; pass a larger "
-                f"--steps to extend it, or --no-resume to start over")
+                f"--steps (or --epochs, which sets the step count) to extend it, or --no-resume to start over")
             head.eval()  # its head (and a calibration written into it since) stays as it is
             return head
     else:
@@ -708,6 +709,9 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
             log(f"removed {out / 'best_head'} of an earlier run (a fresh start)")
         if lead:
             (out / "last_val.json").unlink(missing_ok=True)
+            # the discarded run's state: a later resume, after this run stopped before its first checkpoint, must
+            # not pick it up and train it on with this run's settings
+            (out / "trainer_state.pt").unlink(missing_ok=True)
     cache = None
     if feature_cache:
         from .features import build_feature_caches
