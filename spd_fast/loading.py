@@ -30,8 +30,12 @@ def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torc
         "embed.weight": take("model.embed_tokens.weight"),
         "norm.weight": take("model.norm.weight"),
     }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = sd.get("lm_head.weight", out["embed.weight"])
+    if not cfg.tie_word_embeddings:  # an untied output layer is a tensor of its own: its absence is not a tie
+        if "lm_head.weight" not in sd:
+            raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' while its config.json says "
+                                  "tie_word_embeddings is false (the default); set it to true if the model's output "
+                                  "layer is its embedding, else copy the complete checkpoint")
+        out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."

@@ -142,6 +142,25 @@ def test_missing_tensor(tiny_checkpoint, tmp_path):
         load_hf_dir(d)
 
 
+def test_an_untied_checkpoint_without_its_output_layer_is_refused(tiny_checkpoint, tmp_path):
+    """The embedding once stood in for a missing lm_head.weight of an untied model: other logits, no error."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nohead"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
+    sd = load_file(str(d / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(SpdConfigError, match=r"missing tensor 'lm_head.weight' while its config.json says "
+                                             r"tie_word_embeddings is false .*; set it to true if"):
+        load_hf_dir(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    m = load_hf_dir(d)  # tied, as its config now says
+    assert m.lm_head.weight is m.embed.weight
+
+
 def test_truncated_gguf(tmp_path):
     from spd_fast.gguf_loader import read_gguf
     from spd_fast.store import default_gguf_path
