@@ -28,7 +28,8 @@ class ModelNotFoundError(SpdConfigError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPD_FAST_CACHE", Path.home() / ".cache" / "spd_fast"))
+    # an empty SPD_FAST_CACHE is unset (Path("") would be the working directory)
+    return Path(os.environ.get("SPD_FAST_CACHE") or Path.home() / ".cache" / "spd_fast")
 
 
 def default_gguf_path() -> Path:

@@ -308,6 +308,17 @@ def test_gguf_with_rope_frequency_factors_is_refused(tmp_path):
         read_gguf(tmp_path / "l3.gguf")
 
 
+def test_an_empty_cache_variable_means_the_default_cache(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from spd_fast.store import cache_root
+
+    monkeypatch.setenv("SPD_FAST_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "spd_fast"
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path
+
+
 def test_unwritable_conversion_cache(tmp_path, monkeypatch):
     from spd_fast.store import convert_gguf
 

@@ -88,6 +88,17 @@ def test_bench_scripts_give_one_line_errors(capsys, monkeypatch, tmp_path):
     assert "limit 41 is more than the 40 chat prompts there are" in capsys.readouterr().err
     assert loads == []  # refused before any model loaded
 
+    def small_cache(*a, **k):
+        raise spd_fast.SpdConfigError("prompt + max_new_tokens exceeds the KV cache length 64; shorten the prompt, "
+                                      "lower max_new_tokens or load with a larger max_len")
+
+    monkeypatch.setattr(spd_fast, "load", small_cache)
+    assert ev.main(["--limit", "1", "--no-ar", "--max-len", "64"]) == 2
+    assert capsys.readouterr().err.strip().endswith("or load with a larger --max-len")  # the option it has
+    with pytest.raises(SystemExit):
+        ev.main(["--seed", str(2 ** 64)])
+    assert "seed 18446744073709551616 is out of range" in capsys.readouterr().err
+
     def bad_load(*a, **k):
         raise spd_fast.SpdConfigError("num_stages=40 exceeds the model's 30 layers")
 
