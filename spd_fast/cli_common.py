@@ -129,6 +129,12 @@ _CLI_WORDS = [("-n", re.compile(r"\bpass num_stages=(\d+)"), r"pass -n \1"),
               ("--num-stages", re.compile(r"\buse num_stages=(\d+)"), r"use --num-stages \1"),
               ("--draft", re.compile(r"draft='random'"), "--draft random"),
               ("--draft", re.compile(r"draft=None for the shipped head"), "no --draft for the shipped head"),
+              ("--draft", re.compile(r"^draft must be a head directory, 'random', or None \(the shipped head\)"),
+               "--draft must be a head directory or 'random' (leave it out for the shipped head)"),
+              ("--model", re.compile(r"^model must be a Hugging Face checkpoint directory or a .gguf file, or None "
+                                     r"for the default model"),
+               "--model must be a Hugging Face checkpoint directory or a .gguf file (leave it out for the default "
+               "model)"),
               ("--dtype", re.compile(r"\buse dtype='float32' \(the default\)"),
                "drop --dtype (float32 is the default)"),
               ("--dtype", re.compile(r"\bdtype='(\w+)'"), r"--dtype \1"),

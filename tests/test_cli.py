@@ -494,6 +494,10 @@ def test_committed_self_distillation_data_is_readable():
     pytest.param(["generate", "--user", "hi", "--device", "gpu"], "device 'gpu' is not a valid device", id="device"),
     pytest.param(["generate", "hi", "--temperature", "1", "--seed", str(2**70)], "is out of range", id="seed-range"),
     pytest.param(["eval", "--out", ""], "--out is empty; name a file, or leave --out out", id="eval-out-empty"),
+    pytest.param(["generate", "hi", "--model", ""], "--model must be a Hugging Face checkpoint directory or a .gguf "
+                 "file (leave it out for the default model); got ''", id="model-empty"),
+    pytest.param(["generate", "hi", "--draft", " "], "--draft must be a head directory or 'random' (leave it out for "
+                 "the shipped head), got ' '", id="draft-blank"),
     pytest.param(["bench", "--out", " "], "--out is empty; name a file, or leave --out out", id="bench-out-blank"),
 ])
 def test_bad_arguments_exit_nonzero_with_message(capsys, argv, message):
