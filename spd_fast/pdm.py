@@ -311,8 +311,12 @@ class DraftHead(nn.Module):
         sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
               for k, v in self.state_dict().items()
               if not (self.dcfg.frozen_lm_head and k == "lm_head.weight")}
-        save_file(sd, str(path / WEIGHTS_FILE))
-        (path / "draft_config.json").write_text(replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
+        # each file through a temporary name and a rename: a run killed mid-save leaves the previous head whole
+        # (training rewrites OUT/head and OUT/best_head in place)
+        save_file(sd, str(path / (WEIGHTS_FILE + ".tmp")))
+        (path / (WEIGHTS_FILE + ".tmp")).replace(path / WEIGHTS_FILE)
+        (path / "draft_config.json.tmp").write_text(replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
+        (path / "draft_config.json.tmp").replace(path / "draft_config.json")
 
 
 def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:

@@ -1,6 +1,7 @@
 """PDM checkpoints and training: mask vs brute force, loss goes down, resume, n mismatch."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -177,7 +178,7 @@ def test_collate_pads_to_a_few_shapes_without_changing_the_loss(tiny_checkpoint)
             assert s_pad["tokens"] == s_tight["tokens"] > 0 and s_pad["top1"] == s_tight["top1"]
 
 
-def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
+def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path, monkeypatch):
     m = tiny_target(tiny_checkpoint("llama"))
     data = _samples(m, 12)
     cfg = TrainConfig(steps=4, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
@@ -188,6 +189,22 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(v.to(v2.dtype), v2, atol=1e-2, rtol=1e-2)  # saved in bf16
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
     assert 0 in loaded.draft_vocab.tolist()  # EOS always in the draft vocabulary
+    assert not list((tmp_path / "run" / "head").glob("*.tmp"))
+    # a save stopped mid-write leaves the previous head whole (each file goes through a temporary name)
+    import safetensors.torch
+
+    before = (tmp_path / "run" / "head" / "draft.safetensors").read_bytes()
+
+    def cut_short(sd, name, *a, **k):
+        open(name, "wb").write(b"partial")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(safetensors.torch, "save_file", cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            head.save(tmp_path / "run" / "head")
+    assert (tmp_path / "run" / "head" / "draft.safetensors").read_bytes() == before
+    load_draft(tmp_path / "run" / "head", m, "tiny", num_stages=3)
     # a rerun of the finished run resumes its weights and optimiser state exactly (no step left to take)
     saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
     again = train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=lambda s: None)
@@ -204,6 +221,14 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path):
     assert logs[0].startswith("resumed from") and "step 4" in logs[0]
     state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 6
+    # settings that decide the batches must match: another value would train the rest on another stream
+    for change, flag in (({"max_seq_len": 32}, "--max-seq-len 64 vs 32"), ({"seed": 3}, "--seed 0 vs 3"),
+                         ({"batch_tokens": 128}, "--batch-tokens 256 vs 128")):
+        other = dataclasses.replace(cfg2, steps=8, **change)
+        with pytest.raises(SpdConfigError, match=f"holds a run with other batches \\({flag}: saved vs asked\\); "
+                                                 f".* or --no-resume --init .*/head to fine-tune its head"):
+            train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=other,
+                  log=lambda s: None)
 
 
 def test_a_head_can_share_another_heads_weights_file(tiny_checkpoint, tmp_path):

@@ -413,6 +413,14 @@ class PdmTrainer:
                 f"train the rest of its schedule on these data; pass the run's own --data (same files, same "
                 f"order) and --max-seq-len (it decides which samples are kept), or --no-resume (or another --out) "
                 f"to start over, or --no-resume --init {out}/head to fine-tune its head on these data")
+        old_cfg = st.get("cfg", {})
+        changed = [f"{flag} {old_cfg[k]} vs {getattr(self.cfg, k)}" for k, flag in RESUME_BATCH_FLAGS.items()
+                   if k in old_cfg and old_cfg[k] != getattr(self.cfg, k)]
+        if changed:  # they decide the batches (and which part of each sample is seen): another run's stream
+            raise SpdConfigError(
+                f"{out} holds a run with other batches ({'; '.join(changed)}: saved vs asked); resuming would not "
+                f"continue on the batches it would have taken; pass the run's own values, or --no-resume (or another "
+                f"--out) to start over, or --no-resume --init {out}/head to fine-tune its head")
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
@@ -522,6 +530,8 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
     return (ids, lens, mask), (states, arg, cache.layers)
 
 
+# TrainConfig fields a resumed run must share with the saved one (they decide its batches) -> their flags
+RESUME_BATCH_FLAGS = {"max_seq_len": "--max-seq-len", "batch_tokens": "--batch-tokens", "seed": "--seed"}
 # draft_config fields a resumed run must share with the saved one (the weights' shape and meaning)
 RESUME_KEYS = ("boundaries", "anchors", "num_layers", "draft_vocab_size", "base_fingerprint", "frozen_lm_head",
                "base_model_type", "base_hidden_size", "base_num_layers")
