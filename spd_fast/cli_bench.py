@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import (DefaultsFormatter, _int_at_least, add_model_options, apply_runtime_options, check_output,
-                         cli_warning, float_list, int_list, load_engine, positive_int, write_output)
+                         cli_warning, float_list, int_list, kv_length, load_engine, positive_int, write_output)
 from .evaluate import CATEGORIES, add_spd_metrics, kernel_backend
 
 # the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
@@ -27,7 +27,7 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--prompt", action="append", default=[], help="use this user message instead (repeatable)")
     b.add_argument("--max-new-tokens", type=decode_tokens, default=32,
                    help="new tokens per answer (the first comes from the prefill)")
-    b.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    b.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     b.add_argument("--repeats", type=positive_int, default=1, help="decode each prompt this many times")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy, where SPD is checked against AR")
@@ -45,7 +45,7 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--limit", type=positive_int, default=40, help="prompts per category (default: 40)")
     e.add_argument("--max-new-tokens", type=decode_tokens, default=96,
                    help="new tokens per answer (the first comes from the prefill)")
-    e.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    e.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
                    help=f"comma-separated subset of {','.join(CATEGORIES)}")
     e.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")

@@ -57,6 +57,7 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+kv_length = _int_at_least(8, "a KV cache length >= 8")  # --max-len, checked before the model loads
 
 
 def seed_int(text: str) -> int:

@@ -6,8 +6,8 @@ import json
 import sys
 from typing import Any
 
-from .cli_common import (DefaultsFormatter, add_model_options, apply_runtime_options, load_engine, non_negative_int,
-                         positive_int)
+from .cli_common import (DefaultsFormatter, add_model_options, apply_runtime_options, kv_length, load_engine,
+                         non_negative_int, positive_int)
 
 
 def add_parser(sub: Any) -> None:
@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, help="sampling seed")
-    g.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    g.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     g.add_argument("--eos-id", type=non_negative_int, action="append", default=[],
                    help="an extra stop token id besides the model's own (repeatable)")
     g.add_argument("--stop", action="append", default=[],

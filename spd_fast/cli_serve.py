@@ -6,7 +6,7 @@ import socket
 import sys
 from typing import Any
 
-from .cli_common import add_model_options, apply_runtime_options, load_engine, non_negative_int, positive_int
+from .cli_common import add_model_options, apply_runtime_options, kv_length, load_engine, non_negative_int, positive_int
 from .config import SpdConfigError
 
 
@@ -22,7 +22,7 @@ def add_parser(sub: Any) -> None:
                    help="spd (default) or ar, the plain autoregressive baseline")
     s.add_argument("--served-model-name", help="the model name the API reports and accepts (default: the model "
                    "file's or directory's name)")
-    s.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1 "
+    s.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1 "
                    "(default: 2048)")
     s.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     add_model_options(s)

@@ -494,6 +494,9 @@ def test_committed_self_distillation_data_is_readable():
     pytest.param(["generate", "--user", "hi", "--device", "gpu"], "device 'gpu' is not a valid device", id="device"),
     pytest.param(["generate", "hi", "--temperature", "1", "--seed", str(2**70)], "is out of range", id="seed-range"),
     pytest.param(["eval", "--out", ""], "--out is empty; name a file, or leave --out out", id="eval-out-empty"),
+    pytest.param(["generate", "hi", "--max-len", "4"], "--max-len: expected a KV cache length >= 8, got 4",
+                 id="max-len-small"),
+    pytest.param(["serve", "--max-len", "-1"], "--max-len: expected a KV cache length >= 8, got -1", id="serve-max-len"),
     pytest.param(["generate", "hi", "--model", ""], "--model must be a Hugging Face checkpoint directory or a .gguf "
                  "file (leave it out for the default model); got ''", id="model-empty"),
     pytest.param(["generate", "hi", "--draft", " "], "--draft must be a head directory or 'random' (leave it out for "

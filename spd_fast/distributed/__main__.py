@@ -13,7 +13,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import DefaultsFormatter, Parser, add_lookup_option, layer_list, non_negative_int
+    from ..cli_common import DefaultsFormatter, Parser, add_lookup_option, kv_length, layer_list, non_negative_int
 
     p = Parser(prog="python -m spd_fast.distributed",
                description="Speculative pipeline decoding with one stage per torch.distributed rank. Launch with "
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per local rank)")
-    p.add_argument("--max-len", type=int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    p.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a rank waits for a message before declaring its peer lost (default 30)")
     p.add_argument("--startup-timeout", type=float, default=60.0,
