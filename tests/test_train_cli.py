@@ -85,6 +85,7 @@ def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
 @pytest.mark.parametrize("name,content,message", [
     ("bad.jsonl", '{"text": "a"}\n{"text": \n', r"bad.jsonl, line 2: not valid JSON .* must be one JSON object"),
     ("list.jsonl", '[1, 2]\n', r"list.jsonl, line 1: a JSON list, not an object"),
+    ("textnum.jsonl", '{"text": 5}\n', r"textnum.jsonl, row 1: \"text\" must be a string, got 5"),
     ("keys.jsonl", '{"text": "a"}\n{"body": "b"}\n', r"keys.jsonl, row 2: a row needs \"messages\" \(chat\), \"text\", "
                                                      r"or \"prompt_ids\" \+ \"response_ids\" \(token ids\); got keys "
                                                      r"\['body'\]"),
@@ -607,3 +608,18 @@ def test_data_files_with_a_byte_order_mark_a_corrupt_gzip_or_a_cut_last_line(tmp
     cut.write_text('{"id": "0", "pro')  # no whole line at all
     _drop_partial_line(cut)
     assert cut.read_text() == ""
+
+
+def test_a_step_without_loss_rows_is_reported_once(full_vocab_checkpoint, tmp_path, capsys):
+    """With a draft vocabulary that holds none of the target's argmax tokens every step learns nothing: the run
+    says so once, instead of logging a loss of 0 with no word why."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    argv = small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data), "--steps", "3")
+    rc, err = run([a if a != "64" or argv[i - 1] != "--draft-vocab" else "1" for i, a in enumerate(argv)], capsys)
+    assert rc == 0, err
+    assert err.count("had no loss row: no answer token of its batch has its target argmax in the 1-token draft "
+                     "vocabulary, so it learnt nothing; raise --draft-vocab") == 1, err
+    rc, err = run(small(full_vocab_checkpoint, tmp_path / "o2", "--data", str(data), "--steps", "2",
+                        "--draft-vocab", "49152"), capsys)
+    assert rc == 0 and "had no loss row" not in err, err

@@ -264,6 +264,8 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None)
     elif isinstance(rec.get("text"), str):
         yield {"id": f"{stem}-{i}", "prompt_ids": [],
                "response_ids": _model_ids(target.tokenizer.encode(rec["text"]), target, where)}
+    elif "text" in rec:
+        raise SpdConfigError(f"{where}: \"text\" must be a string, got {rec['text']!r}")
     else:
         raise SpdConfigError(f"{where}: a row needs {ROW_KEYS}; got keys {sorted(rec)}")
 

@@ -762,6 +762,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     if interactive() and lead:
         from tqdm import tqdm
         pbar = tqdm(total=cfg.steps, initial=trainer.step, desc="train PDM")
+    warned_empty = False
     while trainer.step < trainer.total_steps:
         batches = rank_batches(epoch)[done_in_epoch:]
         for bt in batches:
@@ -773,6 +774,11 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
             else:
                 stats = trainer.train_step(collate(bt, cfg.max_seq_len))
             toks += stats["tokens"] * world  # this rank's loss rows; the others take as many on average
+            if not stats["tokens"] and not warned_empty:  # once per run: a step that could not learn anything
+                warned_empty = True
+                log(f"step {trainer.step} had no loss row: no answer token of its batch has its target argmax in the "
+                    f"{trainer.head.dcfg.draft_vocab_size}-token draft vocabulary, so it learnt nothing; raise "
+                    f"--draft-vocab if this recurs (the loss and tokens/s then stay at 0)")
             if trainer.dev.type == "cpu" and trainer.step % heap.TRIM_EVERY == 0:
                 heap.trim()  # shapes change every step: keep freed heap pages from piling up
             agg.append(stats)
