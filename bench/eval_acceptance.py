@@ -19,8 +19,8 @@ from spd_fast.config import DEFAULT_LOOKUP
 
 def main(argv: list[str] | None = None) -> int:
     from spd_fast.cli_bench import decode_tokens
-    from spd_fast.cli_common import (check_output, cli_message, float_list, int_list, non_negative_int, positive_int,
-                                     positive_thread_count, seed_int)
+    from spd_fast.cli_common import (check_output, cli_message, float_list, int_list, kv_length, non_negative_int,
+                                     positive_int, positive_thread_count, seed_int)
     from spd_fast.config import SpdConfigError
     from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
     from spd_fast.sampling import SamplingParams
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=decode_tokens, default=96)
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
     p.add_argument("--threads", type=positive_thread_count, default=2)
-    p.add_argument("--max-len", type=positive_int, default=2048, help="KV cache length: prompt + new tokens + n + 1")
+    p.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
     p.add_argument("--seed", type=seed_int, default=0, help="prompt i samples with seed SEED+i (matters at temperature > 0)")
     p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP,
                    help=f"context lookup beside the PDM (default {DEFAULT_LOOKUP}; 0: the PDM alone)")

@@ -61,14 +61,20 @@ kv_length = _int_at_least(8, "a KV cache length >= 8")  # --max-len, checked bef
 
 
 def seed_int(text: str) -> int:
-    """An argparse type: a seed torch takes, an integer in [-2**63, 2**64 - 1]."""
+    """An argparse type: a seed torch takes (config.check_seed's range)."""
+    from .config import SpdConfigError, check_seed
+
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not -2 ** 63 <= v <= 2 ** 64 - 1:
-        raise argparse.ArgumentTypeError(f"seed {v} is out of range; use an integer in [-2**63, 2**64 - 1]")
+    try:
+        check_seed(v)
+    except SpdConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return v
+
+
 MAX_THREADS = 4096
 
 

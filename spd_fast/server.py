@@ -149,7 +149,7 @@ class SpdServer:
                                     f"{max(map(len, stops))}; send a shorter one", "stop")
         kw = dict(temperature=_number(body, "temperature", 1.0, float), top_p=_number(body, "top_p", 1.0, float),
                   top_k=_number(body, "top_k", 0, int), seed=_number(body, "seed", None, int),
-                  stop=[stop] if isinstance(stop, str) else stop or None, method=self.method)
+                  stop=stops or None, method=self.method)
         # tokenized here, outside the lock: a long prompt does not hold up the request that is decoding
         ids = self.engine.target.encode(prompt)
         if max_tokens is None:  # chat: what is left of the KV cache and the context after the prompt

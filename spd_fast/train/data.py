@@ -63,7 +63,7 @@ def _drop_partial_line(path: Path) -> None:
         size = f.seek(0, 2)
         if not size:
             return
-        f.seek(max(size - 1, 0))
+        f.seek(size - 1)
         if f.read(1) == b"\n":
             return
         keep, pos = 0, size
