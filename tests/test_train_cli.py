@@ -623,3 +623,57 @@ def test_a_step_without_loss_rows_is_reported_once(full_vocab_checkpoint, tmp_pa
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o2", "--data", str(data), "--steps", "2",
                         "--draft-vocab", "49152"), capsys)
     assert rc == 0 and "had no loss row" not in err, err
+
+
+def test_a_resumed_init_run_needs_no_init_dir_and_other_val_data_rescore_the_best(full_vocab_checkpoint, tmp_path,
+                                                                                  capsys):
+    """A resume takes the head from its checkpoint, so the --init directory may be gone by then; a resume with
+    other --val data scores the kept best head on them before a checkpoint is judged against it."""
+    import shutil
+
+    data = _text_rows(tmp_path / "d.jsonl", 6)
+    base_out = tmp_path / "base"
+    assert run(small(full_vocab_checkpoint, base_out, "--data", str(data), "--steps", "1", "--draft-vocab", "49152"),
+               capsys)[0] == 0
+    init = tmp_path / "init"
+    shutil.copytree(base_out / "head", init)
+    val_a, val_b = _text_rows(tmp_path / "va.jsonl", 3, "Held"), _text_rows(tmp_path / "vb.jsonl", 4, "Other")
+    out = tmp_path / "o"
+    argv = small(full_vocab_checkpoint, out, "--data", str(data), "--init", str(init), "--save-every", "2",
+                 "--draft-vocab", "49152")  # every validation row scored
+    assert run(argv + ["--val", str(val_a), "--steps", "2"], capsys)[0] == 0
+    best_a = json.loads((out / "best_head" / "val.json").read_text())
+    shutil.rmtree(init)
+    rc, err = run(argv + ["--val", str(val_b), "--steps", "4"], capsys)
+    assert rc == 0 and f"resumed from {out} at step 2" in err, err
+    assert f"{out / 'best_head'} (step {best_a['step']}) was chosen on other validation data" in err, err
+    rec = json.loads((out / "best_head" / "val.json").read_text())
+    assert rec["val_data"] != best_a["val_data"] and rec["val_data"]["samples"] == 4  # the data it was scored on
+
+
+def test_a_time_budget_counts_the_time_a_resumed_run_spent(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
+    """A run stopped before its budget fitted the step count used to get the whole budget again at its resume."""
+    from spd_fast.train import trainer as trmod
+
+    out = tmp_path / "o"
+    argv = small(full_vocab_checkpoint, out, "--data", str(_text_rows(tmp_path / "d.jsonl", 6)), "--steps", "100000",
+                 "--time-budget", "600", "--save-every", "5")
+    real = trmod.PdmTrainer.train_step
+
+    def stop_at_12(self, *a, **k):
+        if self.step == 12:
+            raise KeyboardInterrupt  # the end of a session, before the budget fitted the run (step 20)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(trmod.PdmTrainer, "train_step", stop_at_12)
+    with pytest.raises(KeyboardInterrupt):
+        train_main(argv)
+    monkeypatch.setattr(trmod.PdmTrainer, "train_step", real)
+    st = torch.load(out / "trainer_state.pt", weights_only=False)
+    assert st["step"] == 10 and not st["budget_done"] and 0 < st["train_seconds"] < 600
+    st["train_seconds"] = 590.0  # as if the earlier sessions had spent nearly all of it
+    torch.save(st, out / "trainer_state.pt")
+    rc, err = run(argv, capsys)
+    again = torch.load(out / "trainer_state.pt", weights_only=False)
+    assert rc == 0 and again["budget_done"] and again["step"] == again["total_steps"] == 30, err
+    assert again["train_seconds"] > 590.0

@@ -112,6 +112,7 @@ class PdmTrainer:
         self.rng = random.Random(cfg.seed)
         self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
         self.budget_done = False        # a time budget has fitted total_steps (kept across a resume)
+        self.train_seconds = 0.0        # wall clock spent in the training loop by this run, over all its resumes
         self.data_key: dict | None = None  # what `train` trains on (data_fingerprint): a resume on other data is refused
         self.dev = target.device
         # data parallel (torchrun): every rank takes its own batches and gradients are averaged
@@ -391,7 +392,8 @@ class PdmTrainer:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg),
                     "draft": json.loads(self.head.dcfg.to_json()), "total_steps": self.total_steps,
-                    "budget_done": self.budget_done, "data": self.data_key}, out / "trainer_state.pt.tmp")
+                    "budget_done": self.budget_done, "data": self.data_key, "train_seconds": self.train_seconds},
+                   out / "trainer_state.pt.tmp")
         (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
 
     def resume(self, out: Path) -> bool:
@@ -433,6 +435,7 @@ class PdmTrainer:
         if st.get("cfg", {}).get("steps") == self.cfg.steps and "total_steps" in st:
             # the same run asked again: keep the length a time budget fitted it to (it ended there)
             self.total_steps, self.budget_done = st["total_steps"], st.get("budget_done", False)
+            self.train_seconds = float(st.get("train_seconds", 0.0))  # a time budget counts the earlier sessions
         self.rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"].cpu())
         return True
@@ -541,12 +544,14 @@ class TimeBudget:
     """Fit training into `seconds` of wall clock: time steps `start`..`start + measure` (after the
     first `start`, which include compilation and allocator warm-up), then set the trainer's total
     steps (and so its LR schedule, which decays to zero at the last step) to what fits in the rest,
-    with `reserve` of the budget kept for checkpoints and validation. Never raises the total."""
+    with `reserve` of the budget kept for checkpoints and validation. Never raises the total. The
+    trainer's `train_seconds` (the time a resumed run spent before it stopped) counts as spent."""
 
     def __init__(self, seconds: float, trainer: PdmTrainer, start: int = 5, measure: int = 15, reserve: float = 0.15):
         self.seconds, self.trainer, self.start, self.measure, self.reserve = seconds, trainer, start, measure, reserve
         self.t_begin = time.perf_counter()
         self.first_step = trainer.step
+        self.spent = trainer.train_seconds
         self.t_start: float | None = self.t_begin if start == 0 else None
 
     def after_step(self) -> int | None:
@@ -557,7 +562,7 @@ class TimeBudget:
         if done != self.start + self.measure or self.t_start is None:
             return None
         per_step = (time.perf_counter() - self.t_start) / self.measure
-        left = self.seconds * (1 - self.reserve) - (time.perf_counter() - self.t_begin)
+        left = self.seconds * (1 - self.reserve) - self.spent - (time.perf_counter() - self.t_begin)
         total = min(self.trainer.total_steps, self.trainer.step + max(0, int(left / per_step)))
         if self.trainer.world > 1:  # every rank must stop at the same step: the slowest decides
             t = torch.tensor([total], device=self.trainer.dev)
@@ -584,14 +589,43 @@ def _write_json(path: Path, d: dict) -> None:
     os.replace(tmp, path)
 
 
+def _rescore_best(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, key: dict, old: dict,
+                  log) -> dict | None:
+    """Score out/best_head on `val_samples`, the validation data of this (resumed) run, which differ from the data
+    it was chosen on; its val.json then records this score. None (a best head no longer kept) if it cannot be read."""
+    from ..pdm import load_draft
+
+    try:
+        best = load_draft(out / "best_head", trainer.target, trainer.head.dcfg.base_fingerprint,
+                          device=trainer.dev).requires_grad_(False)
+    except (SpdConfigError, OSError, ValueError) as e:
+        log(f"{out / 'best_head'} cannot be read ({str(e)[:200]}); the next validation replaces it")
+        return None
+    mine = trainer.head
+    trainer.head = best
+    try:
+        v = trainer.validate(val_samples)
+    finally:
+        trainer.head = mine
+    rec = dict(v, step=old.get("step"), val_data=key)
+    _write_json(out / "best_head" / "val.json", rec)
+    log(f"{out / 'best_head'} (step {old.get('step')}) was chosen on other validation data; on these it scores "
+        f"top-1 {v['val_top1']:.4f}, the figure later checkpoints must beat")
+    return rec
+
+
 def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) -> None:
-    v = trainer.validate(val_samples)
+    key = data_fingerprint(val_samples)  # best_head's score counts only on the data it was taken on
     best_f = out / "best_head" / "val.json"
-    best = (_read_json(best_f) or {}).get("val_top1", -1.0)
+    rec = _read_json(best_f)
+    if rec is not None and rec.get("val_data") != key:
+        rec = _rescore_best(trainer, val_samples, out, key, rec, log)
+    v = trainer.validate(val_samples)
+    best = (rec or {}).get("val_top1", -1.0)
     improved = v["val_tokens"] > 0 and v["val_top1"] > best  # no scored row is no evidence of anything
     if improved:
         trainer.head.save(out / "best_head")
-        _write_json(best_f, dict(v, step=trainer.step))
+        _write_json(best_f, dict(v, step=trainer.step, val_data=key))
     _write_json(out / "last_val.json", {"step": trainer.step})  # a resume scores a checkpoint this missed
     if not v["val_tokens"]:
         log(f"validation scored no row: no answer token of the {len(val_samples)} validation samples has its target "
@@ -691,10 +725,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     dcfg = DraftConfig.make(tgt.cfg, b, tuple(anchors) if anchors is not None else None, draft_layers, vd,
                             target_obj.fingerprint, frozen_lm_head=not train_lm_head)
     head = init_from_target(DraftHead(dcfg, tgt.cfg, tgt.norm), tgt, cfg.seed)
-    if init is not None:
-        warm_start(head, init, target_obj)
-    else:
+    if init is None:
         set_draft_vocab(head, build_draft_vocab(samples, vd, tgt.cfg.vocab_size, target_obj.eos_ids), tgt)
+    elif not (resume and (out / "trainer_state.pt").is_file()):  # a resume takes every weight and the draft
+        warm_start(head, init, target_obj)  # vocabulary from its checkpoint: `init` is not read (it may be gone)
     head.to(tgt.device)  # fp32 master weights on the target's device (bf16 compute under autocast)
     samples, _ = drop_unlearnable(samples, cfg.max_seq_len)
     trainer = PdmTrainer(tgt, head, cfg)
@@ -758,6 +792,11 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     epoch, done_in_epoch = locate_step(count, trainer.step)  # each epoch's own batch count
     t0, toks, agg = time.perf_counter(), 0.0, []
     budget = TimeBudget(cfg.time_budget, trainer) if cfg.time_budget > 0 and not trainer.budget_done else None
+    t_loop, spent0 = time.perf_counter(), trainer.train_seconds
+
+    def save() -> None:
+        trainer.train_seconds = spent0 + (time.perf_counter() - t_loop)
+        trainer.save(out)
     pbar = None
     if interactive() and lead:
         from tqdm import tqdm
@@ -798,14 +837,14 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                                 "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
             if lead and (trainer.step % cfg.save_every == 0 or trainer.step == trainer.total_steps):
-                trainer.save(out)
+                save()
                 if val_samples:
                     _validate(trainer, val_samples, out, log)
         epoch, done_in_epoch = epoch + 1, 0
     if pbar is not None:
         pbar.close()
     if lead:
-        trainer.save(out)
+        save()
     if world > 1:
         dist.barrier()  # the others wait for rank 0's last checkpoint
     head.eval()
