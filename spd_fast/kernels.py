@@ -176,9 +176,14 @@ def swiglu(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      kv_bound: int, backend: str = "auto") -> torch.Tensor:
     """Few-query attention over a static KV cache (split-K on the GPU, one C++ op on the CPU)."""
-    b = _pick("decode_attention", backend, q)
+    b = resolve(backend, q.device)
+    if q.dim() == 4:  # positions broadcast over the batch ([1, T], as the model passes them) and any int dtype
+        positions = positions.long().expand(q.shape[0], q.shape[1])
+    if b == "cpp" and not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+        b = "torch"  # the C++ op is fp32 only
+    calls[f"decode_attention/{b}"] += 1  # the backend that really runs it
     if b == "triton":
         return _tk("decode").decode_attention(q, k_cache, v_cache, positions, kv_bound)
-    if b == "cpp" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:  # the op is fp32 only
-        return cpp_ops.op("decode_attention")(q, k_cache, v_cache, positions.expand(q.shape[0], q.shape[1]), kv_bound)
+    if b == "cpp":
+        return cpp_ops.op("decode_attention")(q, k_cache, v_cache, positions, kv_bound)
     return ops_explicit.decode_attention(q, k_cache, v_cache, positions, kv_bound)

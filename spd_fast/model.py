@@ -62,8 +62,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        if (p is not None and x.dtype == torch.float32 and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-                and not (torch.is_grad_enabled() and x.requires_grad) and not torch.is_autocast_enabled("cpu")):
+        if (p is not None and x.dtype == torch.float32 and 0 < x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and not torch.is_autocast_enabled("cpu")):
             from .packed import packed_linear
 
             y = packed_linear(x, p)
@@ -80,8 +80,8 @@ class RMSNorm(nn.Module):
     fused = False  # set by packed.enable_fused_ops: decode rows go through one C++ op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.fused and x.dtype == torch.float32 and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-                and not torch.is_grad_enabled()):
+        if (self.fused and x.dtype == torch.float32 and 0 < x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+                and x.device.type == "cpu" and not torch.is_grad_enabled()):
             return torch.ops.spd_fast.rms_norm_rows(x.contiguous(), self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, cast, then scale.
         xf = x.float()
@@ -179,7 +179,8 @@ class Attention(nn.Module):
         # Advanced indices around a slice: kc[b_idx, :, positions] has shape [B, T, nkv, D].
         kc[b_idx, :, positions] = k.to(kc.dtype)
         vc[b_idx, :, positions] = v.to(vc.dtype)
-        if self.fused and T <= 8 and q.dtype == torch.float32 and not torch.is_grad_enabled():
+        if (self.fused and 0 < B * T and T <= 8 and q.dtype == torch.float32 and x.device.type == "cpu"
+                and not torch.is_grad_enabled()):  # the fused ops are the C++ CPU ones
             o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions.expand(B, T), kv_bound)
             return self.wo(o.reshape(B, T, self.nh * self.hd))
         keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]

@@ -20,8 +20,8 @@ def aggregate(anchor_rows: torch.Tensor, types: torch.Tensor, w_padded: torch.Te
     Row r computes W_{types[r]} · concat(anchors 0..types[r]); anchors above the type meet zero
     columns of the padded weight, and are zeroed too so stale values (even NaN) cannot leak in.
     """
-    if BACKEND != "torch":
-        from .kernels import aggregate as fused
+    if BACKEND != "torch" and not (torch.is_grad_enabled() and (anchor_rows.requires_grad or w_padded.requires_grad)):
+        from .kernels import aggregate as fused  # the fused ops have no backward: training takes the twin
 
         return fused(anchor_rows, types, w_padded, backend=BACKEND)
     return aggregate_torch(anchor_rows, types, w_padded)

@@ -13,6 +13,7 @@ import torch
 
 from .config import SpdConfigError, check_seed
 
+MIN_TOP_P = 1e-30  # keeps the top token (and its ties) alone for any vocabulary below 1e30 tokens
 MIN_TEMPERATURE = 1e-6
 
 
@@ -39,6 +40,9 @@ class SamplingParams:
             raise SpdConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
             raise SpdConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        # below 1/V every top_p keeps the top token and its ties alone; one under fp32's smallest number (1e-46)
+        # would compare as 0 and drop every token (NaN probabilities), so it is read as MIN_TOP_P
+        object.__setattr__(self, "top_p", max(float(p), MIN_TOP_P))
         if self.seed is not None:  # None: a fresh random seed per call
             check_seed(self.seed)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spd_fast import cpp_ops, kernels, ops
+from spd_fast import cpp_ops, kernels, ops, ops_explicit
 from spd_fast.config import SpdConfigError
 from spd_fast.ops_explicit import add_rmsnorm, draft_sample_explicit, processed_probs, verify_sampling_explicit
 from spd_fast.sampling import SamplingParams, probs_from_logits
@@ -583,3 +583,106 @@ def test_gpu_kernel_paths_script_small_on_cpu():
         kp.Paths.__init__ = orig
     assert [r["ok"] for r in rows] == [False] + [True] * (len(rows) - 1)
     assert "AssertionError" in rows[0]["error"] and lines[-len(rows)].startswith("FAIL")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_sampling_kernels_never_touch_memory_at_ids_outside_the_vocabulary(device):
+    """A draft id outside [0, V) (the twin raises; a device-side check would sync) was read at q[id] by verification,
+    which then accepted token -1, and written at q[id] by draft sampling, past the row. Now it is rejected (the
+    verified token is a real one) and never written."""
+    from spd_fast.triton_kernels.draft_sample import launch_draft_sample
+    from spd_fast.triton_kernels.verify import launch_verify_sampling
+
+    dev = triton_device(device)
+    V = 8
+    logits = torch.linspace(-1.0, 1.0, V, device=dev)[None].repeat(2, 1)
+    q = torch.full((2, V), 1.0 / V, device=dev)
+    for bad in (-1, V, 10 * V):
+        acc, tok = launch_verify_sampling(logits, torch.tensor([bad, 3], device=dev), q, 1.0, 0, 1.0,
+                                          torch.tensor([[0.0, 0.5], [0.0, 0.5]], device=dev))
+        assert not bool(acc[0]) and 0 <= int(tok[0]) < V and bool(acc[1]) and int(tok[1]) == 3, (bad, acc, tok)
+    qbuf = torch.full((3, V + 4), -7.0, device=dev)  # row 1 of a wider buffer: its neighbours must stay untouched
+    out_q = qbuf[1, :V]
+    vocab = torch.tensor([0, 2, V + 1, 5], device=dev)
+    tok, q1 = launch_draft_sample(torch.zeros(1, 4, device=dev), vocab, V, 1.0, 0, 1.0,
+                                  torch.tensor([0.1], device=dev), out=(torch.empty(1, dtype=torch.long, device=dev),
+                                                                        out_q[None]))
+    assert torch.equal(qbuf[1, V:], torch.full((4,), -7.0, device=dev)) and torch.equal(qbuf[2], qbuf[0])
+    assert set(torch.nonzero(out_q).flatten().tolist()) == {0, 2, 5}
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_a_signed_zero_tie_at_the_cut_is_kept_whole_on_every_backend(backend, cpp):
+    """-0.0 and +0.0 compare equal in the twin; Triton's integer order key put -0.0 below +0.0, so a top-k / top-p
+    cut between them kept one and dropped the other."""
+    if backend == "triton":
+        triton_device("cpu")
+    vocab = torch.arange(4)
+    u = torch.tensor([0.999])
+    for x, k, p in [(torch.tensor([[2.0, 0.0, -0.0, -1.0]]), 2, 1.0),
+                    (torch.tensor([[2.0, -0.0, 0.0, -1.0]]), 2, 1.0),
+                    (torch.tensor([[3.0, 0.0, -0.0, -5.0]]), 0, 0.91)]:  # p(3.0) = 0.9094
+        params = SamplingParams(temperature=1.0, top_k=k, top_p=p)
+        want = ops_explicit.processed_probs(x, 1.0, k, p)
+        assert int((want > 0).sum()) == 3  # the tie is kept whole
+        tok, q = kernels.draft_sample(x, vocab, 4, params, u, backend=backend)
+        assert torch.allclose(q, want, atol=1e-6, rtol=1e-6), (backend, x, q, want)
+
+
+def test_a_top_p_under_fp32s_range_keeps_the_top_token_instead_of_nan():
+    from spd_fast.sampling import MIN_TOP_P, probs_from_logits
+
+    x = torch.tensor([2.0, 1.0, 0.5])
+    params = SamplingParams(temperature=1.0, top_p=1e-46)
+    assert params.top_p == MIN_TOP_P
+    assert torch.equal(probs_from_logits(x, params), torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_fused_backends_leave_training_gradients_to_the_twin(cpp):
+    """With a process-wide fused backend (set_backend("cpp"), or "auto" on CPU), DraftHead.aggregate in training
+    went through the C++ op, which has no backward: the gradients were silently lost."""
+    x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
+    grads = {}
+    for backend in ("torch", "cpp"):
+        wg = w.clone().requires_grad_(True)
+        with kernels.use_backend(backend):
+            ops.aggregate(x, types, wg).square().sum().backward()
+        grads[backend] = wg.grad
+    assert grads["cpp"] is not None and torch.allclose(grads["cpp"], grads["torch"])
+    before = kernels.calls["aggregate/cpp"]
+    with kernels.use_backend("cpp"), torch.no_grad():
+        ops.aggregate(x, types, w.requires_grad_(True))  # inference still takes the fused op
+    assert kernels.calls["aggregate/cpp"] == before + 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_decode_attention_takes_broadcast_and_int32_positions_on_every_backend(backend, cpp):
+    if backend == "triton":
+        triton_device("cpu")
+    g = torch.Generator().manual_seed(3)
+    B, T, nh, nkv, S, D = 2, 3, 4, 2, 16, 8
+    q = torch.randn(B, T, nh, D, generator=g)
+    kc, vc = torch.randn(B, nkv, S, D, generator=g), torch.randn(B, nkv, S, D, generator=g)
+    full = torch.arange(5, 5 + T).expand(B, T)
+    want = ops_explicit.decode_attention(q, kc, vc, full, 12)
+    for pos in (torch.arange(5, 5 + T)[None], full.int()):
+        before = kernels.calls[f"decode_attention/{backend}"]
+        got = kernels.decode_attention(q, kc, vc, pos, 12, backend=backend)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        assert kernels.calls[f"decode_attention/{backend}"] == before + 1
+    before = kernels.calls["decode_attention/torch"]
+    kernels.decode_attention(q.double(), kc.double(), vc.double(), full, 12, backend="cpp" if backend == "cpp" else "torch")
+    assert kernels.calls["decode_attention/torch"] == before + 1  # the fp32-only C++ op is not counted as run
+
+
+def test_triton_decode_ops_take_empty_widths():
+    triton_device("cpu")
+    from spd_fast.triton_kernels.decode import launch_swiglu
+    from spd_fast.triton_kernels.rmsnorm import launch_add_rmsnorm
+
+    assert launch_swiglu(torch.zeros(3, 0)).shape == (3, 0)
+    assert launch_swiglu(torch.zeros(0, 8)).shape == (0, 4)
+    y, h = launch_add_rmsnorm(torch.zeros(0, 8), torch.zeros(0, 8), torch.ones(8), 1e-5)
+    assert y.shape == h.shape == (0, 8)
+    y, h = launch_add_rmsnorm(torch.zeros(2, 0), torch.zeros(2, 0), torch.ones(0), 1e-5)
+    assert y.shape == h.shape == (2, 0)

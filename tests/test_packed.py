@@ -262,3 +262,16 @@ def test_cpu_name_names_the_simd_level_the_decode_ops_compile_for():
     assert cpu_name("model name\t: Xeon\nflags\t\t: avx2 fma avx512f avx512bw\n") == "Xeon [avx512]"
     assert cpu_name("model name\t: Old\nflags\t\t: sse2 avx avx2\n") == "Old [portable]"  # AVX2 without FMA
     assert cpu_name("Features\t: fp asimd\n").endswith("[portable]")  # Arm: no model name line
+
+
+def test_a_packed_linear_takes_zero_rows():
+    """An empty input went to the C++ op ("gguf linear: 1 <= M <= 16, got 0") where F.linear returns an empty
+    result."""
+    from spd_fast.model import Linear
+
+    lin = Linear(96, 40, bias=False)
+    lin.packed = _random_packed("q8_0", 40, 96)
+    with torch.no_grad():
+        assert lin(torch.zeros(0, 96)).shape == (0, 40)
+        assert lin(torch.zeros(1, 0, 96)).shape == (1, 0, 40)
+        assert torch.allclose(lin(torch.ones(1, 96)), packed.reference_linear(torch.ones(1, 96), lin.packed), atol=1e-5)

@@ -18,8 +18,9 @@ from ._common import interpreting
 
 @triton.jit
 def order_key(x):
-    """fp32 -> int32 with the same order: negatives get their magnitude bits flipped."""
-    b = x.to(tl.int32, bitcast=True)
+    """fp32 -> int32 with the same order: negatives get their magnitude bits flipped. -0.0 is read as +0.0 first:
+    the two compare equal in the twin, so a tie between them at a top-k / top-p cut must not be split."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 

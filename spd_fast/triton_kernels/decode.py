@@ -93,6 +93,8 @@ def launch_swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> tor
         out = gate_up.new_empty(N, inter)
     check(tuple(out.shape) == (N, inter) and out.dtype == gate_up.dtype and out.is_contiguous(),
           f"out must be a contiguous ({N}, {inter}) tensor like gate_up")
+    if out.numel() == 0:  # no row or no width: nothing to launch
+        return out
     block = min(1024, triton.next_power_of_2(inter))
     _swiglu_kernel[(N, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
@@ -175,7 +177,8 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Bc, nkv, S, Dk = k_cache.shape
     check(Dk == D and Bc >= B and nh % nkv == 0, f"q {tuple(q.shape)} does not fit the caches {tuple(k_cache.shape)}")
     check(1 <= kv_bound <= S, f"kv_bound must be in 1..{S}, got {kv_bound}")
-    check(tuple(positions.shape) == (B, T) and positions.dtype == torch.int64, f"positions must be int64 ({B}, {T})")
+    check(tuple(positions.shape) == (B, T), f"positions must be [B, T] = [{B}, {T}], got {list(positions.shape)}")
+    check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
     check(q.dtype in FLOAT_DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
           "q and the caches must share one float dtype")
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), "the caches must be contiguous")

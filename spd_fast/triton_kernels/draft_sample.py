@@ -36,7 +36,8 @@ def _draft_sample_kernel(p_logits, p_vocab, p_u, p_q, p_token, B, Vd, V, s_row, 
     for v0 in range(0, Vd, BLOCK_V):
         b_p = probs_block(p_rows, v0 + o_v, Vd, temperature, mx, thr, z)
         b_id = tl.load(p_vocab + v0 + o_v, mask=v0 + o_v < Vd, other=0)
-        tl.store(p_qrows + b_id, b_p, mask=(v0 + o_v < Vd) & m_b)
+        # ids outside the vocabulary (the twin raises; a device check would sync) are not written to
+        tl.store(p_qrows + b_id, b_p, mask=(v0 + o_v < Vd) & m_b & (b_id >= 0) & (b_id < V))
         b_tot += b_p
     target = tl.load(p_u + o_r) * tl.sum(b_tot, axis=1, keep_dims=True)
     run = tl.zeros([BLOCK_B, 1], tl.float32)

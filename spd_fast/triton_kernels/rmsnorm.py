@@ -47,6 +47,8 @@ def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     check(all(o.shape == x.shape and o.dtype == x.dtype and o.is_contiguous() for o in out),
           "out must be two contiguous tensors like x")
     y, h = out
+    if x.numel() == 0:  # no row or no width: nothing to launch
+        return y, h
     N = x.numel() // H
     block = triton.next_power_of_2(H)
     _add_rmsnorm_kernel[(N,)](x, residual, weight, y, h, H, float(eps), BLOCK_H=block,

@@ -47,10 +47,13 @@ def _verify_sampling_kernel(p_logits, p_q, p_draft, p_u, p_accept, p_token, B, V
     p_qrows = p_q + o_r * s_q
     mx, thr, z = row_stats(p_rows, V, temperature, top_k, top_p, TOP_K, TOP_P, BLOCK_B, BLOCK_V)
     x_tok = tl.load(p_draft + o_r)
-    px = probs_block(p_rows, x_tok, V, temperature, mx, thr, z)
-    qx = tl.load(p_qrows + x_tok)
+    # a draft id outside the vocabulary (the twin raises; a device check would sync) is rejected, never read at
+    x_ok = (x_tok >= 0) & (x_tok < V)
+    x_at = tl.where(x_ok, x_tok, 0)
+    px = probs_block(p_rows, x_at, V, temperature, mx, thr, z)
+    qx = tl.load(p_qrows + x_at)
     # u * q(x) < p(x)  <=>  u < p(x) / q(x), without dividing by a zero q(x)
-    accept = tl.load(p_u + 2 * o_r) * qx < px
+    accept = x_ok & (tl.load(p_u + 2 * o_r) * qx < px)
     o_v = tl.arange(0, BLOCK_V)[None, :]
     b_mass = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
     b_tot = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
