@@ -882,7 +882,7 @@ def test_time_budget_cuts_the_schedule_to_what_fits(monkeypatch):
     monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
 
     class T:
-        step, total_steps, world = 0, 10_000, 1
+        step, total_steps, world, train_seconds = 0, 10_000, 1, 0.0
 
     t = T()
     b = tr.TimeBudget(100.0, t, start=2, measure=4, reserve=0.1)
@@ -899,6 +899,14 @@ def test_time_budget_cuts_the_schedule_to_what_fits(monkeypatch):
     clock[0] += 1.0
     t2.step += 1
     assert b2.after_step() == 20  # a generous budget keeps the planned steps
+    t3 = T()
+    t3.train_seconds = 40.0  # a resumed run had spent 40 s before it stopped: 90 - 40 - 14 = 36 s left -> 6 + 36
+    b3 = tr.TimeBudget(100.0, t3, start=2, measure=4, reserve=0.1)
+    for _ in range(6):
+        clock[0] += 5.0 if t3.step < 2 else 1.0
+        t3.step += 1
+        b3.after_step()
+    assert t3.total_steps == 42
 
 
 def test_training_cli_names_a_bad_device_and_time_budget(tmp_path, capsys):
