@@ -4,7 +4,8 @@ The eval prompts (`bench/eval_acceptance.py`) are ordinary requests of 64 tokens
 engine what they do not: one-letter and number-run prompts, a word repeated, bare code, mixed scripts and
 emoji, a system message, a multi-turn chat, a request that repeats itself for hundreds of tokens, one that
 ends after a few tokens, a long prompt, and answers of up to --max-new-tokens. Every pair must be
-token-identical; the exit status is 1 if any differs, and the JSON lists each run.
+token-identical; the exit status is 1 if any differs (2 for a bad option or prompt, after the runs done so
+far are reported), and the JSON lists each run.
 
     .venv/bin/python bench/stress_exactness.py --num-stages 2,3,4,5,6 --max-new-tokens 256 \
         --out bench/results/stress_exactness
@@ -41,9 +42,10 @@ PROMPTS: list = [
 ]
 
 
-def stress(engines, prompts: list, max_new_tokens: int) -> list[dict]:
-    """engines: (n, Engine) pairs. One row per (n, prompt): AR and SPD token ids compared."""
-    rows = []
+def stress(engines, prompts: list, max_new_tokens: int, rows: list[dict] | None = None) -> list[dict]:
+    """engines: (n, Engine) pairs. One row per (n, prompt): AR and SPD token ids compared, appended to `rows`
+    (kept by the caller when a later prompt fails)."""
+    rows = [] if rows is None else rows
     for n, eng in engines:
         for i, prompt in enumerate(prompts):
             t = time.perf_counter()
@@ -63,10 +65,8 @@ def stress(engines, prompts: list, max_new_tokens: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     import spd_fast
-    from spd_fast.cli_common import int_list, positive_int
+    from spd_fast.cli_common import check_output, int_list, positive_int, positive_thread_count, write_output
     from spd_fast.config import SpdConfigError
-
-    from spd_fast.cli_common import positive_thread_count
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
@@ -87,31 +87,44 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--prompts {a.prompts}: {e}; pass a JSON file holding a list of prompts")
         if not isinstance(prompts, list) or not prompts:
             p.error(f"--prompts {a.prompts}: expected a non-empty JSON list of prompts")
+    out = Path(a.out.removesuffix(".json") + ".json") if a.out is not None else None
+    try:
+        check_output(None if out is None else str(out), "--out")  # before the runs whose results it would hold
+    except SpdConfigError as e:
+        p.error(str(e))
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    rows = []
+    rows: list[dict] = []
+    error = None
     try:
-        for n in a.num_stages:
-            eng = spd_fast.load(a.model, a.draft, num_stages=n, progress=False, lookup=a.lookup)
-            rows += stress([(n, eng)], prompts, a.max_new_tokens)
-    except SpdConfigError as e:
-        print(f"stress_exactness.py: error: {e}", file=sys.stderr)
-        return 2
+        # every n is loaded (and so checked) before the first run: a bad n found after an hour's runs wasted them
+        engines = [(n, spd_fast.load(a.model, a.draft, num_stages=n, progress=False, lookup=a.lookup))
+                   for n in a.num_stages]
+        for n, eng in engines:
+            stress([(n, eng)], prompts, a.max_new_tokens, rows)
+    except SpdConfigError as e:  # e.g. a prompt the engine refuses: the runs done so far are still reported
+        error = str(e)
     bad = [r for r in rows if not r["identical"]]
     summary = {"runs": len(rows), "identical": len(rows) - len(bad), "tokens": sum(r["ar_tokens"] for r in rows),
                "seconds": round(time.perf_counter() - t0, 1)}
-    if a.out:
-        out = Path(a.out.removesuffix(".json") + ".json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"summary": summary, "max_new_tokens": a.max_new_tokens,
-                                                     "prompts": prompts, "rows": rows}, indent=1,
-                                                    ensure_ascii=False))
-    print(f"{summary['identical']} of {summary['runs']} runs token-identical ({summary['tokens']} AR tokens, "
-          f"{summary['seconds']} s)")
+    if error is not None:
+        summary["error"] = error
+    if rows:
+        print(f"{summary['identical']} of {summary['runs']} runs token-identical ({summary['tokens']} AR tokens, "
+              f"{summary['seconds']} s)")
     for r in bad:
         print(f"MISMATCH: n={r['num_stages']} prompt {r['prompt']}: first difference at token "
               f"{r['first_difference']}", file=sys.stderr)
-    return 1 if bad else 0
+    if error is not None:
+        print(f"stress_exactness.py: error: {error}", file=sys.stderr)
+    if out is not None and rows:
+        try:
+            write_output(out, json.dumps({"summary": summary, "max_new_tokens": a.max_new_tokens, "prompts": prompts,
+                                          "rows": rows}, indent=1, ensure_ascii=False))
+        except SpdConfigError as e:
+            print(f"stress_exactness.py: error: {e}", file=sys.stderr)
+            error = error or str(e)
+    return 1 if bad else 2 if error is not None else 0
 
 
 if __name__ == "__main__":

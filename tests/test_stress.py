@@ -108,3 +108,41 @@ def test_bench_scripts_give_one_line_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(spd_fast, "load", lambda *a, **k: _Engine([1, 2], [1, 2]))
     assert stress.main(["--num-stages", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["identical"] == len(stress.PROMPTS)
+
+
+def test_stress_checks_every_n_and_the_out_path_first_and_keeps_finished_runs(monkeypatch, capsys, tmp_path):
+    """A bad later n, or an --out that cannot be written, was found only after the earlier runs had finished, and
+    their rows (a mismatch among them) were lost; an unwritable --out also exited 1, the code of a mismatch."""
+    import spd_fast
+
+    loaded = []
+
+    def load(model, draft, num_stages, **k):
+        if num_stages == 40:
+            raise spd_fast.SpdConfigError("num_stages=40 exceeds the model's 30 layers")
+        loaded.append(num_stages)
+        return _Engine([1, 2], [1, 2])
+
+    monkeypatch.setattr(spd_fast, "load", load)
+    assert stress.main(["--num-stages", "2,40", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert "runs token-identical" not in captured.out and "num_stages=40 exceeds" in captured.err
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        stress.main(["--num-stages", "2", "--out", str(tmp_path / "afile" / "res")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err and loaded == [2]  # no run for either
+
+    class Refuses(_Engine):  # the engine refuses a prompt: the runs before it are reported and written
+        def generate(self, prompt, max_new_tokens, method="spd"):
+            if prompt == "bad":
+                raise spd_fast.SpdConfigError("the prompt is empty")
+            return super().generate(prompt, max_new_tokens, method)
+
+    monkeypatch.setattr(spd_fast, "load", lambda *a, **k: Refuses([1, 2], [1, 3]))
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["ok", "bad"]))
+    rc = stress.main(["--num-stages", "2", "--prompts", str(prompts), "--out", str(tmp_path / "r")])
+    captured = capsys.readouterr()
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 1 and "MISMATCH: n=2 prompt 0" in captured.err and "error: the prompt is empty" in captured.err
+    assert res["summary"] == {**res["summary"], "runs": 1, "identical": 0, "error": "the prompt is empty"}
