@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import (DefaultsFormatter, _int_at_least, add_model_options, apply_runtime_options, check_output,
-                         cli_warning, float_list, int_list, kv_length, load_engine, positive_int, write_output)
+                         cli_warning, float_list, int_list, kv_length, load_engine, positive_int, seed_int,
+                         write_output)
 from .evaluate import CATEGORIES, add_spd_metrics, kernel_backend
 
 # the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
@@ -22,8 +23,8 @@ def add_parsers(sub: Any) -> None:
                        "report tokens/s, acceptance, tokens/cycle and the ratio to AR.",
                        formatter_class=DefaultsFormatter)
     b.add_argument("--num-stages", "-n", type=int_list, default=[2, 3], help="comma-separated n (default: 2,3)")
-    b.add_argument("--prompts", type=positive_int, default=1,
-                   help="held-out prompts per category (chat, math, code; default: 1)")
+    b.add_argument("--prompts", type=positive_int, default=None,
+                   help="held-out prompts per category (chat, math, code; default: 1); not with --prompt")
     b.add_argument("--prompt", action="append", default=[], help="use this user message instead (repeatable)")
     b.add_argument("--max-new-tokens", type=decode_tokens, default=32,
                    help="new tokens per answer (the first comes from the prefill)")
@@ -49,7 +50,7 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--categories", type=str, default=",".join(CATEGORIES),
                    help=f"comma-separated subset of {','.join(CATEGORIES)}")
     e.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
-    e.add_argument("--seed", type=int, default=0,
+    e.add_argument("--seed", type=seed_int, default=0,
                    help="prompt i samples with seed SEED+i (default: 0); compare heads at temperature > 0 over "
                         "a few seeds")
     add_model_options(e)
@@ -74,12 +75,20 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     from .sampling import SamplingParams
 
     SamplingParams(args.temperature)  # fail before loading the model
-    prompts = bench_prompts(args.prompts, args.prompt)
+    if args.prompt and args.prompts is not None:
+        from .config import SpdConfigError
+
+        raise SpdConfigError("--prompts counts held-out prompts per category, which --prompt replaces; pass one of "
+                             "them")
+    prompts = bench_prompts(args.prompts or 1, args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     ar_ids: list[list[int]] = []
     ar = {"decoded": 0.0, "seconds": 0.0}
     rows: list[dict[str, Any]] = []
     sources = []
+    from .pdm import check_draft_stages
+
+    check_draft_stages(args.draft, args.num_stages)  # a head for one n, asked for several: refused before any run
     for i, n in enumerate(args.num_stages):
         eng = load_engine(args, n, quiet)
         if i == 0:  # every n against the model, before the first one's run
@@ -177,7 +186,7 @@ def run_eval_cli(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_acceptance, markdown_table, write_results
     from .sampling import SamplingParams
 
-    cats = [c.strip() for c in args.categories.split(",") if c.strip()]
+    cats = list(dict.fromkeys(c.strip() for c in args.categories.split(",") if c.strip()))  # each category once
     bad = [c for c in cats if c not in CATEGORIES]
     if bad or not cats:
         raise SpdConfigError(f"--categories {args.categories!r}: choose a comma-separated subset of "

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .cli_common import our_warnings, result_paths, write_output
-from .config import DEFAULT_LOOKUP, SpdConfigError, validate_num_stages
+from .config import DEFAULT_LOOKUP, SpdConfigError, check_seed, validate_num_stages
 from .progress import bar
 from .store import DEFAULT_MODEL_NAME
 
@@ -164,6 +164,14 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
         raise SpdConfigError(f"max_new_tokens must be an integer >= 2 to measure acceptance (the first token comes "
                              f"from the prefill, before any draft is verified), got {max_new_tokens!r}")
     prompts = load_eval_prompts(categories, limit)
+    from .pdm import check_draft_stages
+
+    check_draft_stages(draft, num_stages)  # a head for one n, asked for several: refused before the first run
+    last = max(len(ps) for ps in prompts.values()) - 1
+    check_seed(seed)
+    if not -2**63 <= seed + last < 2**64:  # prompt i samples with seed + i: the last one must be a seed too
+        raise SpdConfigError(f"seed {seed} is too large for {last + 1} prompts per category (prompt i samples with "
+                             f"seed + i, at most 2**64 - 1); use a seed <= {2**64 - 1 - last}")
     rows: list[dict[str, Any]] = []
     sources, digests = [], []
     ar_runs: dict[tuple[float, str, int], tuple[list[int], float, int]] = {}  # (temp, cat, i) -> AR result

@@ -8,6 +8,7 @@ g = W_t · concat(h^{b_0}, ..., h^{b_t}).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -149,6 +150,12 @@ class DraftConfig:
         """t(d) for d = 0..n."""
         return [self.type_of_depth(d) for d in range(self.num_stages + 1)]
 
+    def check_num_stages(self, num_stages: int | None) -> None:
+        if num_stages is not None and num_stages != self.num_stages:
+            raise DraftMismatchError(
+                f"the draft head was trained for num_stages={self.num_stages}, not {num_stages}; pass "
+                f"num_stages={self.num_stages}, or draft='random', or train a head for n={num_stages}")
+
     def check_compatible(self, target_cfg: ModelConfig, fingerprint: str, num_stages: int | None,
                          boundaries: tuple[int, ...] | None) -> None:
         diffs = []
@@ -167,10 +174,7 @@ class DraftConfig:
                 f"the draft head was trained for other weights (fingerprint {self.base_fingerprint} vs model "
                 f"{fingerprint}); load the checkpoint it was trained for (model=<its model>), or use or train a "
                 f"head for this checkpoint")
-        if num_stages is not None and num_stages != self.num_stages:
-            raise DraftMismatchError(
-                f"the draft head was trained for num_stages={self.num_stages}, not {num_stages}; pass "
-                f"num_stages={self.num_stages}, or draft='random', or train a head for n={num_stages}")
+        self.check_num_stages(num_stages)
         if boundaries is not None and tuple(boundaries) != self.boundaries:
             raise DraftMismatchError(
                 f"the draft head was trained for stage boundaries {list(self.boundaries)}, not {list(boundaries)}; "
@@ -345,6 +349,16 @@ def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
 
 
 _RUN_HEADS = {"best_head": "the best on validation", "head": "the last checkpoint"}  # in a training run's --out
+
+
+def check_draft_stages(draft: str | os.PathLike | None, num_stages: Sequence[int]) -> None:
+    """A head directory given for runs at several n (eval, bench) fits every one of them: checked before the first
+    run, not after it (None, the shipped head per n, and "random" fit any n)."""
+    if draft is None or draft == "random":
+        return
+    dcfg = read_draft_config(draft)
+    for n in num_stages:
+        dcfg.check_num_stages(n)
 
 
 def read_draft_config(path: str | Path) -> DraftConfig:

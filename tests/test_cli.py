@@ -931,3 +931,32 @@ def test_compare_acceptance_prompt_slice(tmp_path, capsys):
                      ("2:6", "needs 6 prompts per category, the run has 4 for chat; evaluate with --limit 6")):
         assert mod.main([a, b, "--prompts", bad]) == 2
         assert msg in capsys.readouterr().err, bad
+
+
+def test_eval_and_bench_refuse_before_any_run_what_a_later_n_or_prompt_would_hit(capsys, monkeypatch):
+    """A trained head asked for several n, a seed that overflows at a later prompt, --prompts beside --prompt: each
+    used to surface after runs had finished (or never: --prompts was ignored). Now one line, before any model
+    loads; repeated categories run and are recorded once."""
+    import spd_fast
+
+    loads = []
+    real_load = spd_fast.load
+    monkeypatch.setattr(spd_fast, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    head = "spd_fast/heads/smollm2-135m-instruct-n3"
+    for cmd in (["eval", "--limit", "1", "--no-ar"], ["bench"]):
+        rc, _, err = run_cli(cmd + ["-n", "3,2", "--draft", head], capsys)
+        assert rc == 2 and "the draft head was trained for num_stages=3, not 2" in err, err
+        assert len(err.strip().splitlines()) == 1
+    rc, _, err = run_cli(["eval", "--limit", "2", "--seed", str(2 ** 64 - 1)], capsys)
+    assert rc == 2 and f"seed {2 ** 64 - 1} is too large for 2 prompts per category" in err, err
+    assert f"use a seed <= {2 ** 64 - 2}" in err
+    rc, _, err = run_cli(["eval", "--seed", str(2 ** 64)], capsys)
+    assert rc == 2 and "argument --seed: seed 18446744073709551616 is out of range" in err, err
+    rc, _, err = run_cli(["bench", "--prompt", "Hi", "--prompts", "2"], capsys)
+    assert rc == 2 and "--prompts counts held-out prompts per category, which --prompt replaces" in err, err
+    assert loads == []
+    rc, out, err = run_cli(["eval", "--limit", "1", "--max-new-tokens", "3", "--draft", "random", "--no-ar",
+                            "--categories", "chat,chat", "--json"], capsys)
+    res = json.loads(out)
+    assert rc == 0 and res["meta"]["categories"] == ["chat"], err
+    assert [r["category"] for r in res["rows"]] == ["chat", "overall"]
