@@ -565,6 +565,8 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
     top_k, top_p and seed. The engine is loaded once per set of settings (see load()).
     placement="distributed": call on every rank of a torchrun job; rank 0 gets the output, others None."""
     _check_method(method)
+    if placement == "distributed" and method != "spd":  # before every rank loads its stage
+        raise SpdConfigError(f"placement='distributed' runs method='spd' only, got {method!r}")
     SamplingParams(temperature, top_k, top_p, seed)  # validate before loading anything
     check_max_new_tokens(max_new_tokens)
     _as_batch(prompt)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from spd_fast.ar import decode_ar
+from spd_fast.config import ModelConfig, SpdConfigError
 from spd_fast.drafters import PdmDrafter
 from spd_fast.engine import SPDEngine
 from spd_fast.pdm import DraftConfig, DraftHead, init_from_target
@@ -406,6 +407,11 @@ def test_trained_head_refuses_other_anchors_or_depth(tiny_checkpoint, tmp_path):
         plan(anchors=(0, 2))
     with pytest.raises(DraftMismatchError, match=r"has 2 decoder layers, not draft_layers=1; omit draft_layers"):
         plan(draft_layers=1)
+    vd = DraftConfig.from_json(plan()["dcfg"]).draft_vocab_size  # --draft-vocab was silently ignored here
+    with pytest.raises(SpdConfigError, match=rf"has a {vd}-token draft vocabulary, not draft_vocab_size=7; omit "):
+        _plan_on_rank0(path, cfg, torch.float32, 2, None, None, str(tmp_path / "h"), None, 7)
+    assert DraftConfig.from_json(_plan_on_rank0(path, cfg, torch.float32, 2, None, None, str(tmp_path / "h"), None,
+                                                vd)["dcfg"]).draft_vocab_size == vd
 
 
 def test_rank0_plan_runs_the_shipped_head_at_other_boundaries_with_a_warning(tiny_checkpoint, tmp_path, monkeypatch):
@@ -472,8 +478,9 @@ def test_requests_file_errors(tmp_path):
         _requests(build_parser().parse_args(["--requests", str(tmp_path / "missing.json")]), target)
     with pytest.raises(SpdConfigError, match="cannot read --requests"):
         reqs("[{")
-    with pytest.raises(SpdConfigError, match="must hold a JSON list of objects"):
-        reqs('{"prompt": "Hi"}')
+    for content in ('{"prompt": "Hi"}', "[]"):  # an empty list ran nothing and exited 0 without a word
+        with pytest.raises(SpdConfigError, match="must hold a non-empty JSON list of objects"):
+            reqs(content)
     with pytest.raises(SpdConfigError, match="request 0: prompt_ids and eos_ids must be lists of token ids"):
         reqs('[{"prompt_ids": 5}]')
     with pytest.raises(SpdConfigError, match="request 0 has neither 'prompt' nor 'prompt_ids'"):
@@ -512,3 +519,61 @@ def test_distributed_cli_refuses_conflicting_prompts_before_loading(monkeypatch,
     monkeypatch.setattr(engine, "load_distributed", load_distributed)
     with pytest.raises(SpdConfigError, match=msg):
         cli.run(cli.build_parser().parse_args(argv))
+
+
+def test_distributed_generate_takes_what_the_local_one_takes_and_refuses_ar_before_loading(monkeypatch):
+    """DistributedEngine.generate lacked the local generate()'s wrapper: sampling_params= was a TypeError and numpy
+    numbers were refused; spd_fast.generate(placement="distributed", method="ar") was refused only after every rank
+    had loaded its stage."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import spd_fast
+    import spd_fast.api
+    from spd_fast import SamplingParams
+    from spd_fast.distributed.engine import DistributedEngine
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(spd_fast.api, "_cached_engine", no_load)
+    with pytest.raises(SpdConfigError, match="placement='distributed' runs method='spd' only, got 'ar'"):
+        spd_fast.generate("Hi", method="ar", placement="distributed")
+    eng = DistributedEngine.__new__(DistributedEngine)
+    eng.ctx = SimpleNamespace(rank=0)
+    eng.target = SimpleNamespace(eos_ids=(2,), cfg=SimpleNamespace(vocab_size=100), encode=lambda p: [5, 6])
+    eng.driver = SimpleNamespace(end_call=lambda: None)
+    seen = []
+    eng.run_requests = lambda reqs: seen.extend(reqs) or [SimpleNamespace(token_ids=[1])] * len(reqs)
+    eng.generate("Hi", max_new_tokens=np.int64(4), sampling_params=SamplingParams(temperature=0.5, seed=3))
+    eng.generate("Hi", np.int32(3), temperature=np.float32(0.25))
+    assert [(r.max_new_tokens, r.params.temperature, r.params.seed) for r in seen] == [(4, 0.5, 3), (3, 0.25, None)]
+    assert all(type(r.max_new_tokens) is int for r in seen)
+    with pytest.raises(SpdConfigError, match="temperature given both on its own and in sampling_params"):
+        eng.generate("Hi", temperature=0.5, sampling_params=SamplingParams())
+
+
+def test_distributed_cli_refuses_a_head_seed_for_a_trained_head(tmp_path, tiny_checkpoint):
+    """--seed-head seeds a random head; with a trained one it was silently ignored. Rank 0 refuses it and releases
+    the other rank; a missing shipped head's warning is one line."""
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps([{"prompt_ids": [1, 2, 3], "max_new_tokens": 2}]))
+    job = Job(tmp_path, 2, ["--model", tiny_checkpoint("llama"), "--threads", "1", "--seed-head", "5",
+                            "--requests", str(req)])
+    job.wait(120)
+    err = job.stderr(0)
+    assert job.procs[0].returncode == 0, err[-2000:]  # the tiny model has no shipped head: a random one runs
+    assert "spd-fast: warning: no shipped draft head for this model at num_stages=2" in err, err[-2000:]
+    assert "RandomHeadWarning" not in err and "warnings.warn" not in err
+    from conftest import tiny_target
+
+    path = tiny_checkpoint("llama")
+    m, cfg = tiny_target(path), ModelConfig.from_dir(path)
+    init_from_target(DraftHead(DraftConfig.make(cfg, (0, 3, 6)), cfg, m.norm), m).save(tmp_path / "h")
+    job = Job(tmp_path, 2, ["--model", path, "--draft", str(tmp_path / "h"), "--threads", "1", "--seed-head", "5",
+                            "--requests", str(req)])
+    job.wait(120)
+    assert job.procs[0].returncode == 2, job.stderr(0)[-2000:]
+    assert "--seed-head seeds a random head, but this run uses " in job.stderr(0), job.stderr(0)[-2000:]
+    assert job.procs[1].returncode == 0, job.stderr(1)[-2000:]

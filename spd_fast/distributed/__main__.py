@@ -9,11 +9,13 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_common import DefaultsFormatter, Parser, add_lookup_option, kv_length, layer_list, non_negative_int
+    from ..cli_common import (DefaultsFormatter, Parser, add_lookup_option, kv_length, layer_list, non_negative_int,
+                              positive_int)
 
     p = Parser(prog="python -m spd_fast.distributed",
                description="Speculative pipeline decoding with one stage per torch.distributed rank. Launch with "
@@ -36,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     # --draft-vocab as in spd_fast.train; --draft-vocab-size, its first spelling, still works
     p.add_argument("--draft-vocab", "--draft-vocab-size", dest="draft_vocab_size", type=non_negative_int, default=0,
                    metavar="SIZE", help="draft vocabulary of a random head (default 0: the full vocabulary)")
-    p.add_argument("--seed-head", type=int, default=0, help="seed of a random head (default 0)")
-    p.add_argument("--num-stages", type=int, help="must equal the number of processes (default: the world size)")
+    p.add_argument("--seed-head", type=int, default=None, help="seed of a random head (default 0)")
+    p.add_argument("--num-stages", type=positive_int, help="must equal the number of processes (default: the world size)")
     p.add_argument("--boundaries", type=layer_list, help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
     p.add_argument("--anchors", type=layer_list,
                    help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")
@@ -86,8 +88,8 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
                 items = json.load(f)
         except (OSError, ValueError) as e:
             raise SpdConfigError(f"cannot read --requests {args.requests}: {e}") from None
-        if not isinstance(items, list) or not all(isinstance(it, dict) for it in items):
-            raise SpdConfigError(f"--requests {args.requests} must hold a JSON list of objects, e.g. "
+        if not isinstance(items, list) or not items or not all(isinstance(it, dict) for it in items):
+            raise SpdConfigError(f"--requests {args.requests} must hold a non-empty JSON list of objects, e.g. "
                                  '[{"prompt": "Hi", "max_new_tokens": 32}]')
     else:
         check_prompt_args(args)
@@ -122,7 +124,8 @@ def _requests(args: argparse.Namespace, target: Any) -> list:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cli_common import check_output
+    from ..cli_common import check_output, print_warnings
+    from ..config import SpdConfigError
     from .engine import load_distributed
     from .launch import shutdown
 
@@ -134,18 +137,25 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
-                           boundaries=args.boundaries, anchors=args.anchors,
-                           draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
-                           max_len=args.max_len, seed=args.seed_head, progress=not args.json,
-                           timeout=args.timeout, startup_timeout=args.startup_timeout,
-                           draft_vocab_size=args.draft_vocab_size, lookup=args.lookup,
-                           startup_check=check_rank0_output)  # every rank hears of a bad --output at once
+    with warnings.catch_warnings(record=True) as caught:  # e.g. "no shipped head": one line, as in the other CLIs
+        warnings.simplefilter("always")
+        eng = load_distributed(model=args.model, draft=args.draft, num_stages=args.num_stages,
+                               boundaries=args.boundaries, anchors=args.anchors,
+                               draft_layers=args.draft_layers, dtype=args.dtype, device=args.device,
+                               max_len=args.max_len, seed=args.seed_head or 0, progress=not args.json,
+                               timeout=args.timeout, startup_timeout=args.startup_timeout,
+                               draft_vocab_size=args.draft_vocab_size, lookup=args.lookup,
+                               startup_check=check_rank0_output)  # every rank hears of a bad --output at once
+    if not args.json:
+        print_warnings(caught)
     if not eng.is_driver:
         eng.run_requests([])
         shutdown()
         return 0
     try:
+        if args.seed_head is not None and eng.draft_source != "random":
+            raise SpdConfigError(f"--seed-head seeds a random head, but this run uses {eng.draft_source}; drop "
+                                 "--seed-head, or pass --draft random")
         reqs = _requests(args, eng.target)
     except Exception:
         eng.driver.end_call()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..api import _plain_numbers  # the api imports this package lazily: no cycle
 from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
                       check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
                       validate_num_stages)
@@ -72,6 +73,10 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         shipped = source.startswith("shipped:")  # as in api.load: the shipped head runs at any split of its n
         dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None and not shipped else None)
         dcfg.check_requested(anchors, draft_layers)
+        if draft_vocab_size and draft_vocab_size != dcfg.draft_vocab_size:  # 0: the default, any head's own
+            raise SpdConfigError(f"the draft head has a {dcfg.draft_vocab_size}-token draft vocabulary, not "
+                                 f"draft_vocab_size={draft_vocab_size}; omit draft_vocab_size (a trained head brings "
+                                 "its own) or use draft='random'")
         if shipped:
             dcfg = dcfg.at_split(b if boundaries is not None else None, Path(draft).name)
     return {"boundaries": tuple(dcfg.boundaries), "anchors": tuple(dcfg.anchors), "draft": str(draft),
@@ -93,11 +98,14 @@ class DistributedEngine:
     def is_driver(self) -> bool:
         return self.ctx.rank == 0
 
+    @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, method: str = "spd",
-                 eos_ids: Sequence[int] = (), stop: Any = None) -> Any:
+                 eos_ids: Sequence[int] = (), stop: Any = None,
+                 sampling_params: SamplingParams | None = None) -> Any:
         """Call on EVERY rank. Rank 0: GenerationOutput (or a list for a list of prompts); others: None.
-        eos_ids adds stop tokens to the model's own; stop strings are not supported here (refused)."""
+        eos_ids adds stop tokens to the model's own; stop strings are not supported here (refused).
+        sampling_params: a SamplingParams in place of temperature, top_k, top_p and seed (as Engine.generate)."""
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
