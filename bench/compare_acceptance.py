@@ -26,7 +26,7 @@ from spd_fast.config import SpdConfigError
 
 # the draft and the lookup may differ: that is what is compared (older results lack model_fingerprint: not checked)
 _SAME = {"max_new_tokens": "--max-new-tokens", "limit": "--limit", "categories": "--categories", "seed": "--seed",
-         "model_fingerprint": "--model"}
+         "model_fingerprint": "--model", "dtype": "--dtype"}  # bf16 logits change the target's own answers
 
 
 def _load(path: str) -> dict:

@@ -49,10 +49,43 @@ def load_results(results: Path) -> tuple[dict[str, Any], list[str]]:
             notes.append(f"- `{name}` not found: skipped (make it with `{how}`)")
             continue
         try:
-            found[key] = json.loads(path.read_text())
+            data = json.loads(path.read_text())
         except (json.JSONDecodeError, OSError) as e:
             notes.append(f"- `{name}` unreadable ({e}): skipped")
+            continue
+        problem = _shape_problem(key, data)
+        if problem:  # e.g. another bench's JSON saved under this name
+            notes.append(f"- `{name}` is not what `{how}` writes ({problem}): skipped")
+            continue
+        found[key] = data
     return found, notes
+
+
+# the row fields each section reads (rows: a list of objects); ar_vs_hf reads results.{hf,ours}
+ROW_KEYS = {"acceptance": ("n", "temperature", "category", "acceptance_rate", "equivalent_accept_length"),
+            "bench": ("method", "tokens_per_s"),
+            "cycle": ("n", "cycle_ms", "tokens_per_cycle", "ar_step_ms")}
+
+
+def _shape_problem(key: str, data: Any) -> str | None:
+    """What keeps `data` from being read as the `key` results, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if key == "ar_vs_hf":
+        res = data.get("results", {})
+        if not isinstance(res, dict) or any(not isinstance(res[k], dict) or "ms_per_token_median" not in res[k]
+                                            for k in ("hf", "ours") if k in res):
+            return "its results.hf / results.ours lack ms_per_token_median"
+        return None
+    rows = data.get("rows", [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return "its rows are not a list of objects"
+    for i, r in enumerate(rows):
+        need = ROW_KEYS[key] if key != "bench" or r.get("method") != "spd" else ROW_KEYS[key] + ("n",)
+        missing = [k for k in need if k not in r]
+        if missing:
+            return f"row {i} lacks {', '.join(missing)}"
+    return None
 
 
 # ---- acceptance ----------------------------------------------------------------------------------

@@ -861,7 +861,8 @@ def test_compare_acceptance_script(tmp_path, capsys):
 
     c = {"acc": 0, "ver": 0, "decoded": 5, "cycles": 8, "spd_s": 1.0, "ar_tok": 0, "ar_s": 0.0,
          "answers": 2, "new_tok": 7, "rep": 1, "rep_of": 4}
-    meta = {"limit": 2, "max_new_tokens": 8, "categories": ["math"], "seed": 0, "lookup": 3, "model_fingerprint": "fp"}
+    meta = {"limit": 2, "max_new_tokens": 8, "categories": ["math"], "seed": 0, "lookup": 3, "model_fingerprint": "fp",
+            "dtype": "torch.float32"}
 
     def run(name, pp, **m):
         rows = [_row(3, 0.0, "math", len(pp), dict(c, ver=sum(v for v, _ in pp), acc=sum(k for _, k in pp)), pp)]
@@ -886,6 +887,8 @@ def test_compare_acceptance_script(tmp_path, capsys):
     (tmp_path / "rowless.json").write_text(json.dumps({"meta": {}, "rows": [{"category": "math"}]}))
     cases.append((str(tmp_path / "rowless.json"), "is not an evaluation result"))
     cases.append((run("m", [(10, 3)] * 20, model_fingerprint="other"), "differ in model_fingerprint"))
+    # the fingerprint does not see the dtype: bf16 logits change the target's answers, not the head
+    cases.append((run("bf", [(10, 3)] * 20, dtype="torch.bfloat16"), "differ in dtype ('torch.float32' vs 'torch.bfloat16')"))
     (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
                                                                            "category": "math"}]}))
     cases.append((str(tmp_path / "old.json"), "predates them"))
@@ -960,3 +963,17 @@ def test_eval_and_bench_refuse_before_any_run_what_a_later_n_or_prompt_would_hit
     res = json.loads(out)
     assert rc == 0 and res["meta"]["categories"] == ["chat"], err
     assert [r["category"] for r in res["rows"]] == ["chat", "overall"]
+
+
+def test_report_skips_results_of_another_shape_with_a_note(tmp_path):
+    """A file that parses but is not the expected bench's output (a bench result saved as acceptance.json, a JSON
+    list) crashed the report with a KeyError / AttributeError."""
+    _synthetic_results(tmp_path)
+    (tmp_path / "acceptance.json").write_text(json.dumps({"rows": [{"method": "ar", "tokens_per_s": 9.0}]}))
+    (tmp_path / "cycle.json").write_text("[1, 2]")
+    (tmp_path / "bench.json").write_text(json.dumps({"rows": [{"method": "spd", "tokens_per_s": 9.0}]}))
+    text = _report_module().write_report(tmp_path, tmp_path / "out").read_text()
+    assert "`acceptance.json` is not what" in text and "row 0 lacks n, temperature, category" in text
+    assert "`cycle.json` is not what" in text and "a JSON list, not an object" in text
+    assert "`bench.json` is not what" in text and "row 0 lacks n" in text
+    assert "1.30x HF" in text  # the good file is still reported
