@@ -79,8 +79,13 @@ def resolve(backend: str, device: torch.device, has_cpp: bool = True) -> str:
     return backend
 
 
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton and C++ ops take
+
+
 def _pick(op: str, backend: str, t: torch.Tensor, has_cpp: bool = True) -> str:
     b = resolve(backend, t.device, has_cpp)
+    if backend == "auto" and b != "torch" and t.dtype not in _FUSED_DTYPES:
+        b = "torch"  # "auto" picks what runs: fp64 or integer inputs take the twin (a named backend says why not)
     calls[f"{op}/{b}"] += 1
     return b
 

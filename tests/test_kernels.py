@@ -686,3 +686,15 @@ def test_triton_decode_ops_take_empty_widths():
     assert y.shape == h.shape == (0, 8)
     y, h = launch_add_rmsnorm(torch.zeros(2, 0), torch.zeros(2, 0), torch.ones(0), 1e-5)
     assert y.shape == h.shape == (2, 0)
+
+
+def test_auto_leaves_dtypes_the_fused_ops_lack_to_the_twin(cpp):
+    """backend="auto" chose the C++ op for integer logits (NotImplementedError) and Triton for fp64 on a GPU."""
+    logits = torch.tensor([[1, 5, 3], [7, 2, 7]])
+    before = kernels.calls["verify_greedy/torch"]
+    acc, tok = kernels.verify_greedy(logits, torch.tensor([1, 0]), backend="auto")
+    assert tok.tolist() == [1, 0] and acc.tolist() == [True, True]
+    assert kernels.calls["verify_greedy/torch"] == before + 1
+    x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
+    got = kernels.aggregate(x.double(), types, w.double(), backend="auto")
+    assert torch.allclose(got, ops.aggregate_torch(x.double(), types, w.double()))
