@@ -98,6 +98,8 @@ def lookup_next(tokens: torch.Tensor, p_new: torch.Tensor, k: int) -> tuple[torc
     that followed it []). Only windows ending before p_new count, so entries after p_new (stale
     slots of a rolled-back buffer) are never read. Tensor-only, fixed shapes: graph-safe."""
     L = tokens.numel()
+    if k > L - 1:  # no earlier window of k tokens fits the buffer (lookup above max_len): never a match
+        return torch.zeros((), dtype=torch.bool, device=tokens.device), tokens[0]
     ar = torch.arange(L - k + 1, device=tokens.device)
     suffix = tokens.index_select(0, (p_new - k + 1 + torch.arange(k, device=tokens.device)).clamp_min(0))
     hit = (tokens.unfold(0, k, 1) == suffix).all(dim=1) & (ar + k <= p_new)   # window i = tokens[i .. i+k-1]

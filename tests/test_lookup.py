@@ -81,6 +81,20 @@ def test_lookup_greedy_exact_and_raises_acceptance(tiny_checkpoint, monkeypatch,
     assert seq.metrics["acceptance_rate"] > plain.metrics["acceptance_rate"] + 0.2
 
 
+def test_a_lookup_longer_than_the_buffer_never_matches_on_either_executor(tiny_checkpoint):
+    """load() takes lookup up to 64 with max_len down to 8; the sync-free executor ran the lookup over its
+    max_len + 2 token buffer at once and crashed in torch.arange when k passed it."""
+    from spd_fast.ops import lookup_next
+
+    found, tok = lookup_next(torch.tensor([1, 2, 1, 2]), torch.tensor(3), 5)
+    assert not bool(found) and int(tok) == 1
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", max_len=32, lookup=40, progress=False)
+    ids = [1, 2, 3]
+    ref = decode_ar(eng.target.model, ids, 5, GREEDY, []).token_ids
+    assert PipelinedEngine(eng.spd, "simulated").run(ids, 5, GREEDY, []).token_ids == ref
+    assert eng.generate(ids, 5).token_ids == ref
+
+
 def test_lookup_on_the_default_model_with_the_shipped_head(default_target, monkeypatch):
     """The default engine (shipped head, lookup 3) on a prompt that makes the model repeat itself."""
     eng = spd_fast.load(progress=False)
