@@ -68,4 +68,36 @@ def test_refusals_name_the_fix(repo):
     assert r.returncode == 2 and "commit or stash your changes first" in r.stderr
     assert _git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
     r = _run(repo)
-    assert r.returncode == 2 and "usage: bash bench/gpu_tree.sh slim|restore" in r.stderr
+    assert r.returncode == 2 and "usage: bash bench/gpu_tree.sh slim [min] | restore" in r.stderr
+    _git(repo, "checkout", "-q", "--", ".")
+    _git(repo, "checkout", "-q", "--detach")
+    r = _run(repo, "slim")
+    assert r.returncode == 2 and "HEAD is detached; check out a branch first" in r.stderr
+
+
+def test_slim_min_also_drops_the_data_and_restore_keeps_commits_made_on_the_slim_branch(repo):
+    """`slim min` (the first call of the training recipe) also takes data/self_distill out; a commit made on
+    gpu-slim by mistake is not deleted by restore, which says how to keep it."""
+    (repo / "data" / "self_distill").mkdir(parents=True)
+    (repo / "data" / "self_distill" / "a.jsonl.gz").write_bytes(b"x" * 1000)
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "data")
+    r = _run(repo, "slim", "min")
+    assert r.returncode == 0, r.stderr
+    tracked = _git(repo, "ls-files").split()
+    assert not any(t.startswith(("spd_fast/heads/", "data/")) for t in tracked) and _git(repo, "status", "--porcelain") == ""
+    assert "bytes travel" in r.stdout
+    r = _run(repo, "slim")
+    assert r.returncode == 2 and "already slim" in r.stderr
+    (repo / "spd_fast" / "api.py").write_text("x = 3\n")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "oops, on gpu-slim")
+    r = _run(repo, "restore")
+    assert r.returncode == 2 and "has commits made after the slim, which restore would delete" in r.stderr
+    assert _git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip() == "gpu-slim"
+    _git(repo, "reset", "-q", "--hard", "HEAD~1")
+    r = _run(repo, "restore")
+    assert r.returncode == 0, r.stderr
+    tracked = _git(repo, "ls-files").split()
+    assert "data/self_distill/a.jsonl.gz" in tracked and "spd_fast/heads/h/draft.safetensors" in tracked
+    excl = (repo / ".git" / "info" / "exclude").read_text()
+    assert "/data/self_distill/" not in excl and "/spd_fast/heads/" not in excl

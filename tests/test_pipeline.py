@@ -598,3 +598,30 @@ def test_gpu_check_counts_every_failure_and_keeps_going(tmp_path, monkeypatch, c
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert gc.main([x for x in base if x != "--skip-kernels"]) == 1
     assert "kernel paths: 0/1 pass, 0 skipped\n  FAIL k: E" in capsys.readouterr().out
+
+
+def test_gpu_check_keeps_the_other_n_when_one_fails(tmp_path, monkeypatch, capsys):
+    """A timing run that raises at one n lost every n of that shape (and the AR figures); now that n is one error
+    in the summary and the exit status."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "bench/gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    real = gc._spd_timing
+
+    def flaky(m, cfg, n, *a, **k):
+        if n == 3:
+            raise RuntimeError("capture failed")
+        return real(m, cfg, n, *a, **k)
+
+    monkeypatch.setattr(gc, "_spd_timing", flaky)
+    with torch.inference_mode():  # as main() runs every section
+        t = gc.timings("tiny", gc.TINY, "cpu", torch.float32, [2, 3], 8, 0.5, 1, 1.0, gc.Clock("cpu"), "simulated")
+    assert [r["n"] for r in t["spd"]] == [2] and t["errors"][0]["n"] == 3 and t["ar_ms_per_token"] > 0
+    monkeypatch.setattr(gc, "timings", lambda name, *a: t)
+    monkeypatch.setattr(gc, "exactness", lambda *a: a[-1])
+    assert gc.main(["--cpu-dry-run", "--skip-kernels", "--num-stages", "2,3", "--acceptance", "0.5", "--out",
+                    str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL timing tiny n=3: RuntimeError: capture failed" in out and "| tiny |" in out
