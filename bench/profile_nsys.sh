@@ -16,6 +16,7 @@ if ! command -v nsys >/dev/null 2>&1; then
 fi
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)   # absolute: relative to where it was called from, not the repository root
 cd "$(dirname "$0")/.."
 SPD_FAST_NVTX=1 nsys profile --trace=cuda,nvtx --cuda-graph-trace=node --force-overwrite=true \
     -o "$OUT_DIR/spd" "$PY" bench/nsys_run.py "$@"
