@@ -156,10 +156,23 @@ def test_eos_while_drafts_in_flight(tiny_checkpoint):
 
 
 def test_max_new_tokens_one_and_capacity(tiny_checkpoint):
-    m = tiny_target(tiny_checkpoint("llama"), max_len=64)
+    """One new token (the prefill's) works; a KV cache of exactly prompt + new tokens + n + 1 slots (the in-flight
+    tokens need room past the last committed one) decodes like AR, and one slot less is refused by name."""
+    from spd_fast.config import SpdConfigError
+
+    path = tiny_checkpoint("llama")
+    m = tiny_target(path, max_len=64)
     ids = [1, 2, 3]
     ref = decode_ar(m, ids, 1, GREEDY, []).token_ids
     assert spd(m, ids, (0, 3, 6), 1).token_ids == ref
+    n, new = 3, 12
+    b = (0, 2, 4, 6)
+    ref = decode_ar(tiny_target(path, max_len=64), ids, new, GREEDY, []).token_ids
+    exact = tiny_target(path, max_len=len(ids) + new + n + 1)
+    assert spd(exact, ids, b, new, drafter=ReferenceDrafter(ids + ref, 97, "oracle")).token_ids == ref
+    short = tiny_target(path, max_len=len(ids) + new + n)
+    with pytest.raises(SpdConfigError, match=f"\\+ {n + 1} in-flight slots"):
+        spd(short, ids, b, new)
 
 
 def test_rollback_caches_equal_fresh_run(tiny_checkpoint):

@@ -64,10 +64,19 @@ def test_default_model_packed_weights_equal_the_fp32_copy(default_target):
         eye = torch.eye(K)
         w = packed.reference_linear(eye, mod.packed).T  # dequantised weight [N, K]
         assert torch.equal(w, mod.weight), name
-    # the decode path uses them and agrees with the fp32 GEMM
+    # the decode path reads them (the C++ op runs on the blocks) and agrees with the fp32 GEMM
     x = torch.randn(1, 1, net.cfg.hidden_size)
     lm = net.lm_head
-    torch.testing.assert_close(lm(x), torch.nn.functional.linear(x, lm.weight), rtol=1e-4, atol=1e-4)
+    read = []
+    real = packed.packed_linear
+    try:
+        packed.packed_linear = lambda x_, p_: read.append(p_) or real(x_, p_)
+        with torch.no_grad():
+            y = lm(x)
+    finally:
+        packed.packed_linear = real
+    assert len(read) == 1 and read[0] is lm.packed
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, lm.weight), rtol=1e-4, atol=1e-4)
 
 
 def test_packed_path_can_be_turned_off(monkeypatch, default_target):
@@ -232,10 +241,19 @@ def test_packed_draft_head_matches_the_fp32_head(default_target):
     ids = tg.encode([{"role": "user", "content": "Write a Python function that reverses a string."}])
     ar = decode_ar(net, ids, 40, SamplingParams(), tg.eos_ids).token_ids
     runs = {}
+    tower = {id(m.packed) for m in head.modules() if getattr(m, "packed", None) is not None and m is not head.lm_head}
+    read: list[int] = []
+    real = packed.packed_linear
     for name, h in (("fp32", ref_head), ("packed", head)):
         eng = SPDEngine(net, PdmDrafter(h), uniform_boundaries(30, 3), h.dcfg.anchors)
-        runs[name] = eng.run(ids, 40, SamplingParams(), tg.eos_ids)
+        read.clear()
+        packed.packed_linear = lambda x_, p_: read.append(id(p_)) or real(x_, p_)
+        try:
+            runs[name] = eng.run(ids, 40, SamplingParams(), tg.eos_ids)
+        finally:
+            packed.packed_linear = real
         assert runs[name].token_ids == ar, name
+        assert bool(tower & set(read)) == (name == "packed"), name  # the packed head drafts from its Q8_0 tower
     a, b = runs["fp32"].metrics["accepted"], runs["packed"].metrics["accepted"]
     assert a > 10 and abs(a - b) <= 2, (a, b)  # the same drafts, give or take a near-tie
 

@@ -36,6 +36,11 @@ def test_cycle(benchmark: Any, request: Any, n: int) -> None:
     cycle_s = median_seconds(benchmark) / CYCLES
     st = states[-1]
     decoded = int(st.p_new) - int(st.fill) + 1 - st.prompt_len  # committed after the prefill token
+    # a time for cycles that did nothing, or committed wrong tokens, is worthless: CYCLES ran, tokens were
+    # committed, and they are greedy AR's
+    assert int(st.cycles) == CYCLES and decoded > 0, (int(st.cycles), decoded)
+    committed = st.tokens[st.prompt_len: st.prompt_len + decoded + 1].tolist()
+    assert committed == eng.generate(PROMPT, decoded + 1, method="ar").token_ids
     tpc = decoded / CYCLES
     ar_step_s = 1.0 / ar_tokens_per_s(eng)
 

@@ -25,6 +25,15 @@ def test_decode_ar(benchmark: Any, request: Any) -> None:
     eng = engine_for(2)
     runs = _run(benchmark, eng, "ar")
     tps = statistics.median(decode_tokens_per_s(m) for m in runs)
+    # the baseline decoded what it was asked for, and its tokens are the reference decoder's
+    out = eng.generate(PROMPT, NEW_TOKENS, method="ar")
+    assert all(m["new_tokens"] == len(out.token_ids) for m in runs)
+    assert len(out.token_ids) == NEW_TOKENS or out.finished_by_eos
+    from spd_fast.ar import decode_ar
+    from spd_fast.sampling import SamplingParams
+
+    ids = eng.target.encode(PROMPT)
+    assert out.token_ids == decode_ar(eng.target.model, ids, NEW_TOKENS, SamplingParams(), eng.target.eos_ids).token_ids
     BASELINES["ar_tokens_per_s"] = tps
     record(request, benchmark, method="ar", n=1, new_tokens=NEW_TOKENS, tokens_per_s=tps, ratio_vs_ar=1.0)
 

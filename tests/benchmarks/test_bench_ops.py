@@ -81,7 +81,8 @@ def test_op(benchmark: Any, request: Any, op: str, backend: str) -> None:
         sync()
 
     with torch.inference_mode():
-        # also the warm-up (first-call allocations, kernel compilation): the backend must give the twin's answer
+        # also the warm-up (first-call allocations, kernel compilation): the backend must give the twin's answer (the
+        # twin itself, the baseline row, is checked against fp64 references in tests/test_kernels.py)
         _assert_same(fn(*args, **kw), _op(op, "torch")(*args, **kw), f"{backend} {op}")
         if SHORT:
             benchmark.pedantic(call, rounds=ROUNDS + 2, iterations=5, warmup_rounds=1)
