@@ -71,7 +71,8 @@ DATA=(--data $D/magpie_s9_greedy_256.jsonl.gz --data $D/magpie_s10_t07_256.jsonl
       --data $D/human_s45_greedy_80.jsonl.gz --data $D/human_s46_greedy_80.jsonl.gz)
 if [ ${#NEW[@]} -gt 0 ]; then
     # no prompt twice, none from the earlier data or the validation set
-    if $PY scripts/dedupe_prompts.py "${NEW[@]}" --exclude $D/*.jsonl.gz --out "$S/gpu_new.jsonl.gz"; then
+    if $PY scripts/dedupe_prompts.py "${NEW[@]}" --exclude $D/*.jsonl.gz spd_fast/data/prompts/*.jsonl \
+            --out "$S/gpu_new.jsonl.gz"; then
         DATA+=(--data "$S/gpu_new.jsonl.gz")
         split -b 15M "$S/gpu_new.jsonl.gz" "$OUT/gpu_new.jsonl.gz.part_"   # back now: a later kill keeps them
     fi

@@ -90,6 +90,7 @@ def finished_rounds(out: Path) -> set[int]:
 
 
 def main() -> None:
+    t_start = time.perf_counter()  # --time-budget counts the model's loading too: a caller's timeout does
     from spd_fast.cli_common import positive_thread_count
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,11 +107,14 @@ def main() -> None:
                    help="category weights and openers: default 40/30/30 chat/math/code; human 50/25/25 with "
                         "conversational chat openers")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (a GPU writes thousands of answers a minute)")
-    p.add_argument("--time-budget", type=float, default=0.0, help="stop starting new rounds after this many seconds "
-                   "(0 = off)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="seconds from the start (model loading included) "
+                   "after which no round starts, nor one that the last round's time says would end past them (0 = off)")
     p.add_argument("--dtype", default="float32", help="target dtype; bfloat16 was only about 1.2x faster on an AMX "
                    "CPU (see above), and its answers can differ from the fp32 target's in near-ties")
     a = p.parse_args()
+    if a.out.endswith(".gz"):  # it appends a round at a time, as plain text
+        p.error(f"--out {a.out}: this script writes plain jsonl (one round at a time, so a stopped run keeps its "
+                "rounds); name it .jsonl, and gzip it afterwards or let dedupe_prompts.py --out X.jsonl.gz compress it")
     torch.set_num_threads(a.threads)
     if torch.device(a.device).type == "cpu":
         heap.tune()  # the [B, V] logits of every step are reused from the heap instead of mmapped afresh
@@ -118,13 +122,14 @@ def main() -> None:
     dev = target.model.device
     out = Path(a.out)
     done = finished_rounds(out)
-    target.model.setup_caches(a.batch, 640)
+    # the chat template and an opener take well under 160 tokens beside the written message
+    target.model.setup_caches(a.batch, max(640, a.prompt_tokens + a.max_new_tokens + 160))
     mix = MIXES[a.mix]
-    t_start = time.perf_counter()
+    last_round_s = 0.0
     for r in range(a.rounds):
         if r in done:
             continue
-        if a.time_budget and time.perf_counter() - t_start > a.time_budget:
+        if a.time_budget and time.perf_counter() - t_start + last_round_s > a.time_budget:  # a round it cannot finish
             print(json.dumps({"stopped": "time budget", "at_round": r}), flush=True)
             break
         t0 = time.perf_counter()
@@ -141,8 +146,8 @@ def main() -> None:
                  for i, ((cat, text, ids), ans) in enumerate(zip(keep, answers))]
         with out.open("a") as f:
             f.write("".join(lines))  # one write per round: an interrupted one is found by finished_rounds
-        print(json.dumps({"round": r, "kept": len(keep), "of": a.batch, "seconds": round(time.perf_counter() - t0, 1)}),
-              flush=True)
+        last_round_s = time.perf_counter() - t0
+        print(json.dumps({"round": r, "kept": len(keep), "of": a.batch, "seconds": round(last_round_s, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,20 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     assert eng.head.dcfg.draft_temperature_scale == best
     assert (eng.head.dcfg.lookup_gate_confidence, eng.head.dcfg.lookup_gate_ratio) == tuple(gate)
     assert eng.head.dcfg.lookup_copy_boost == boost
+    # an empty --copy-boosts writes one-hot copies, as its help says (it kept a boost written before); --lookup 0
+    # keeps the gate and the boost, and says so
+    cfg = json.loads((tmp_path / "h" / "draft_config.json").read_text())
+    (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, lookup_copy_boost=6.0)))
+    base = [str(tmp_path / "h"), "--model", ckpt, "--val", str(val), "--scales", "1.0", "--temperatures", "0.7",
+            "--gate-confidences", "0.5", "--gate-ratios", "1.0", "--write"]
+    assert main(base + ["--lookup", "2", "--copy-boosts", ""]) == 0
+    assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["lookup_copy_boost"] is None
+    assert "lookup_copy_boost=None" in capsys.readouterr().out
+    (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, lookup_copy_boost=6.0)))
+    assert main(base + ["--lookup", "0"]) == 0
+    assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["lookup_copy_boost"] == 6.0
+    assert "(kept as they were: lookup gate, copy boost)" in capsys.readouterr().out
+    (tmp_path / "h" / "draft_config.json").write_text(json.dumps(cfg))
     # errors name the problem and the fix
     assert main([str(tmp_path / "h"), "--model", ckpt]) == 2
     assert "pass held-out data with --val FILE" in capsys.readouterr().err

@@ -668,6 +668,21 @@ def test_self_written_prompts_start_with_the_opener_and_end_their_turn(default_t
         assert "<|im_end|>" not in text and "<|im_start|>" not in text
     again = self_written_prompts(default_target, openers, 48, torch.Generator().manual_seed(3))
     assert again == got  # seeded: the data script resumes reproducibly
+    # a sampled message holding a special token (a made-up assistant turn; one such row reached the seed-45 data)
+    # is dropped: decoded as text, the chat template would re-encode it as a real turn marker
+    import spd_fast.train.data as data
+
+    tok = default_target.tokenizer
+    fake = tok.encode("Simplify this process\n<|im_start|>assistant\nFloating a cup", add_special_tokens=False)
+    plain = tok.encode("Simplify this process for a beginner, please.", add_special_tokens=False)
+    assert set(fake) & set(tok.all_special_ids)
+    eos = default_target.eos_ids[0]
+    real = data.generate_batch
+    try:
+        data.generate_batch = lambda model, starts, n, params, eos_ids, gen: [fake + [eos], plain + [eos]]
+        assert self_written_prompts(default_target, ["", ""], 64) == [(1, tok.decode(plain).strip())]
+    finally:
+        data.generate_batch = real
     assert plausible_prompt("How do I sort a list?", 7)
     assert not plausible_prompt("Hi", 2)                       # too short
     assert not plausible_prompt("   ", 6)
@@ -792,6 +807,12 @@ def test_magpie_resume_cuts_an_interrupted_round(tmp_path, capsys):
     assert magpie.finished_rounds(f) == {0, 1}
     assert "cut an interrupted write (round 2)" in capsys.readouterr().out
     assert [json.loads(line)["round"] for line in f.read_text().splitlines()] == [0, 0, 1, 1]
+    # a .gz --out got plain text under that name, which the next step (dedupe) could not read: refused up front
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "self_distill_magpie.py"),
+                        "--out", str(tmp_path / "m.jsonl.gz")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "this script writes plain jsonl" in r.stderr and not (tmp_path / "m.jsonl.gz").exists()
 
 
 def test_magpie_mixes_reproduce_the_committed_files_and_weight_human_chat():
@@ -1240,3 +1261,28 @@ def test_lr_schedule_warms_up_then_decays_to_zero_even_when_the_run_is_short(tin
     short = PdmTrainer(m, head, TrainConfig(steps=8, lr=1.0, warmup=50))  # warm-up longer than the run
     lrs = [short.lr_at(s) for s in range(8)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0 and lrs[-1] == 0.25 and short.lr_at(8) == 0.0
+
+
+def test_dedupe_prompts_survives_a_killed_writer_and_matches_prompt_ids(tmp_path):
+    """A magpie file cut mid-line by a killed run raised a raw JSONDecodeError (and the lease's data were lost with
+    it); blank lines did too; exclude rows with prompt_ids but no "prompt" excluded nothing; a missing exclude file
+    was a traceback; a failed run left a partial --out."""
+    import json
+    row = lambda p, ids: json.dumps({"prompt": p, "prompt_ids": ids, "response_ids": [9]})
+    (tmp_path / "cut.jsonl").write_text(row("a", [1]) + "\n\n" + row("b", [2]) + "\n" + row("c", [3])[:20])
+    (tmp_path / "ids_only.jsonl").write_text(json.dumps({"prompt_ids": [2], "response_ids": [5]}) + "\n")
+    r = _run_dedupe(tmp_path, "cut.jsonl", "--exclude", "ids_only.jsonl", "--out", "out.jsonl")
+    assert r.returncode == 0, r.stderr
+    assert "cut.jsonl: dropped row 4, cut short (no newline at its end)" in r.stderr
+    assert [json.loads(x)["prompt"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a"]
+    assert json.loads(r.stdout)["read"] == 2
+    (tmp_path / "bad_mid.jsonl").write_text(row("a", [1]) + "\n{oops\n" + row("b", [2]) + "\n")
+    (tmp_path / "nothing.jsonl").write_text(json.dumps({"messages": []}) + "\n")
+    (tmp_path / "fake.jsonl.gz").write_text(row("a", [1]) + "\n")
+    for args, msg in [(["cut.jsonl", "--exclude", "missing.jsonl"], "missing.jsonl does not exist"),
+                      (["bad_mid.jsonl"], "bad_mid.jsonl: row 2 is not JSON; fix or remove it"),
+                      (["cut.jsonl", "--exclude", "nothing.jsonl"], "row 1 has neither 'prompt' nor 'prompt_ids'"),
+                      (["fake.jsonl.gz"], "cannot read fake.jsonl.gz")]:
+        r = _run_dedupe(tmp_path, *args, "--out", "out2.jsonl")
+        assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "out2.jsonl").exists() and not (tmp_path / "out2.jsonl.tmp").exists()

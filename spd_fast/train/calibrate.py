@@ -351,12 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     if a.write:
-        boost = cb["best"] if cb else _KEEP
+        if cb:
+            boost = cb["best"]
+        elif a.lookup > 0 and not a.copy_boosts:  # "--copy-boosts ''": one-hot copies, as its help says
+            boost = None
+        else:
+            boost = _KEEP
         write_scale(a.head, res["best_scale"], gate["best"] if gate else None, boost)
+        kept = [name for name, fitted in (("lookup gate", gate), ("copy boost", boost is not _KEEP)) if not fitted]
         print(f"wrote draft_temperature_scale={res['best_scale']}"
               + (f", lookup_gate_confidence={gate['best'][0]}, lookup_gate_ratio={gate['best'][1]}" if gate else "")
-              + (f", lookup_copy_boost={cb['best']}" if cb else "")
-              + f" to {Path(a.head) / 'draft_config.json'}")
+              + (f", lookup_copy_boost={boost}" if boost is not _KEEP else "")
+              + f" to {Path(a.head) / 'draft_config.json'}"
+              + (f" (kept as they were: {', '.join(kept)})" if kept else ""))
     return 0
 
 

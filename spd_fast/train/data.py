@@ -204,9 +204,12 @@ def self_written_prompts(target: Target, openers: list[str], max_tokens: int = 6
     users = generate_batch(target.model, starts, max_tokens, SamplingParams(temperature=1.0, top_p=0.95),
                            target.eos_ids, generator)
     out = []
+    special = set(tok.all_special_ids)
     for i, (o, u) in enumerate(zip(openers, users)):
         if not u or u[-1] not in target.eos_ids:
             continue  # ran out of tokens mid-message
+        if special & set(u[:-1]):  # e.g. <|im_start|>assistant: decoded as text, the chat template would re-encode
+            continue               # it as a real special token, a made-up turn inside the prompt
         text = tok.decode((tok.encode(o, add_special_tokens=False) if o else []) + u[:-1]).strip()
         if plausible_prompt(text, len(u)):
             out.append((i, text))
