@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ar", action="store_true", help="skip the AR wall-clock baseline")
     p.add_argument("--threads", type=positive_thread_count, default=2)
     p.add_argument("--max-len", type=kv_length, default=2048, help="KV cache length: prompt + new tokens + n + 1")
-    p.add_argument("--seed", type=seed_int, default=0, help="prompt i samples with seed SEED+i (matters at temperature > 0)")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="prompt i samples with seed SEED+i (matters at temperature > 0)")
     p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP,
                    help=f"context lookup beside the PDM (default {DEFAULT_LOOKUP}; 0: the PDM alone)")
     p.add_argument("--out", default="bench/results/acceptance")

@@ -183,18 +183,21 @@ def attempt(rows: list[dict], name: str, fn) -> None:
         print(f"  FAIL {name}: {type(e).__name__}: {e}", flush=True)
 
 
+def _reference(dev: str, dtype: torch.dtype, cfg: ModelConfig, new: int) -> tuple:
+    """(random model, prompt ids, greedy tokens of the static AR step run eagerly): the reference of the pipelined
+    checks. Eager, so a failed capture of the graphed AR fails its own check instead of every check after it."""
+    m = random_model(cfg, dev, dtype, max_len=256)
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    return m, ids, GraphedAR(m, cuda_graphs=False).run(ids, new, GREEDY, []).token_ids
+
+
 def exactness(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: int, placements: list[str],
               rows: list[dict] | None = None) -> list[dict]:
     """Appends to `rows` as it goes, so a section that dies keeps the checks it finished."""
     rows = [] if rows is None else rows
-    m = random_model(cfg, dev, dtype, max_len=256)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (24,), generator=g).tolist()
+    m, ids, static = _reference(dev, dtype, cfg, new)
     eager = decode_ar(m, ids, new, GREEDY, []).token_ids
     graphs = dev == "cuda"
-    # the reference of the pipelined checks: the static AR step run eagerly; a failed capture of the graphed AR then
-    # fails its own check below instead of every check of this section
-    static = GraphedAR(m, cuda_graphs=False).run(ids, new, GREEDY, []).token_ids
     # graphed AR attends over the whole static cache, eager AR over a bound that grows: in bf16 a near-tie can
     # flip on that alone, so the graph itself is judged against the same static step run eagerly
     attempt(rows, "graphed AR == the same static step eager",
@@ -267,9 +270,7 @@ def triton_cycle(dev: str, dtype: torch.dtype, cfg: ModelConfig, n: int, new: in
     from spd_fast import kernels
 
     rows = [] if rows is None else rows
-    m = random_model(cfg, dev, dtype, max_len=256)
-    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
-    static = GraphedAR(m, cuda_graphs=False).run(ids, new, GREEDY, []).token_ids
+    m, ids, static = _reference(dev, dtype, cfg, new)
     b = uniform_boundaries(cfg.num_layers, n)
 
     def run():
@@ -313,8 +314,8 @@ def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[
            "ar_graph_step_us": step_us, "ar_roofline_us": roof_us, "ar_roofline_fraction": roof_us / step_us, "spd": []}
     for n in ns:
         try:  # one n failing keeps the others and the AR figures
-            out["spd"].append(_spd_timing(m, cfg, n, ids, ref, new, acceptance, repeats, out, dev, clock, placement,
-                                          replays))
+            out["spd"].append(_spd_timing(m, cfg, n, ids, ref, new, acceptance, repeats, out["ar_ms_per_token"], dev,
+                                          clock, placement, replays))
         except Exception as e:  # noqa: BLE001
             out.setdefault("errors", []).append({"n": n, "error": f"{type(e).__name__}: {e}",
                                                  "trace": traceback.format_exc()[-2000:]})
@@ -323,7 +324,7 @@ def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[
 
 
 def _spd_timing(m, cfg: ModelConfig, n: int, ids: list[int], ref: list[int], new: int, acceptance: float,
-                repeats: int, out: dict, dev: str, clock: Clock, placement: str, replays: int) -> dict:
+                repeats: int, ar_ms_per_token: float, dev: str, clock: Clock, placement: str, replays: int) -> dict:
     """One n's SPD row of `timings`: tokens/s with an imposed acceptance, exactness against `ref`, phase times."""
     full = [0] * len(ids) + ref
     graphs = dev == "cuda"
@@ -339,7 +340,7 @@ def _spd_timing(m, cfg: ModelConfig, n: int, ids: list[int], ref: list[int], new
         exact &= r.token_ids == ref
     row = {"n": n, "tokens_per_s": statistics.median(tps), "acceptance": statistics.median(acc), "exact": exact,
            "equiv_accept_length": n * (len(r.token_ids) - 1) / r.metrics["cycles"]}
-    row["speedup_vs_graphed_ar"] = row["tokens_per_s"] / (1e3 / out["ar_ms_per_token"])
+    row["speedup_vs_graphed_ar"] = row["tokens_per_s"] / (1e3 / ar_ms_per_token)
     row.update(phase_times(pe, ids, dev, clock, replays))
     return row
 
@@ -474,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         section("kernel_paths", lambda: kernel_paths(dry))
     if not dry and not a.skip_kernels:
         left = a.deadline - (time.perf_counter() - started)
-        # the benchmark after them needs about 90 s: the tests get what is left beyond that
-        section("kernel_tests", lambda: kernel_tests(out, int(max(30, min(a.kernel_test_timeout, left - 120)))))
+        # the benchmark after them needs about KERNEL_BENCH_S: the tests get what is left beyond that
+        section("kernel_tests", lambda: kernel_tests(out, int(max(30, min(a.kernel_test_timeout,
+                                                                           left - KERNEL_BENCH_S)))))
         section("kernel_bench", lambda: kernel_bench(out, compile=a.compile),
                 need=KERNEL_BENCH_S * (4 if a.compile else 1))
 

@@ -26,10 +26,8 @@ def _open(path: str, mode: str = "r"):
 
 
 def _rows(path: str):
-    """(row number, parsed row, its text) of a jsonl file; blank lines skipped; a last line cut short by a killed writer is
-    dropped with a note (the round it belonged to is incomplete), any other bad line is an error naming it."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"dedupe_prompts: {path} does not exist; pass the jsonl files a self_distill script wrote")
+    """(row number, parsed row, its text) of a jsonl file; blank lines skipped; a last line cut short by a killed
+    writer is dropped with a note (the round it belonged to is incomplete), any other bad line is an error."""
     try:
         with _open(path) as fh:
             lines = fh.read().split("\n")
@@ -44,7 +42,8 @@ def _rows(path: str):
             yield i + 1, json.loads(line), line
         except ValueError:
             if i == last:
-                print(f"dedupe_prompts: {path}: dropped row {i + 1}, cut short (no newline at its end)", file=sys.stderr)
+                print(f"dedupe_prompts: {path}: dropped row {i + 1}, cut short (no newline at its end)",
+                      file=sys.stderr)
                 continue
             raise SystemExit(f"dedupe_prompts: {path}: row {i + 1} is not JSON; fix or remove it") from None
 

@@ -169,9 +169,11 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     check_draft_stages(draft, num_stages)  # a head for one n, asked for several: refused before the first run
     last = max(len(ps) for ps in prompts.values()) - 1
     check_seed(seed)
-    if not -2**63 <= seed + last < 2**64:  # prompt i samples with seed + i: the last one must be a seed too
+    try:  # prompt i samples with seed + i: the last one must be a seed too
+        check_seed(seed + last)
+    except SpdConfigError:
         raise SpdConfigError(f"seed {seed} is too large for {last + 1} prompts per category (prompt i samples with "
-                             f"seed + i, at most 2**64 - 1); use a seed <= {2**64 - 1 - last}")
+                             f"seed + i, at most 2**64 - 1); use a seed <= {2**64 - 1 - last}") from None
     rows: list[dict[str, Any]] = []
     sources, digests = [], []
     ar_runs: dict[tuple[float, str, int], tuple[list[int], float, int]] = {}  # (temp, cat, i) -> AR result

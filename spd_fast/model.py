@@ -63,7 +63,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
         if (p is not None and x.dtype == torch.float32 and 0 < x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and not torch.is_autocast_enabled("cpu")):
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+                and not torch.is_autocast_enabled("cpu")):
             from .packed import packed_linear
 
             y = packed_linear(x, p)

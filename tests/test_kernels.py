@@ -40,8 +40,8 @@ def stat_device(backend: str) -> str:
 
 @pytest.fixture(scope="module")
 def cpp():
-    if torch.cuda.is_available() and not cpp_ops.available():  # a GPU machine without a C++ toolchain: the run is
-        pytest.skip("the C++ ops do not build on this GPU machine; its run checks the Triton kernels")  # for Triton
+    if torch.cuda.is_available() and not cpp_ops.available():  # a GPU machine without a C++ toolchain
+        pytest.skip("the C++ ops do not build on this GPU machine; its run checks the Triton kernels")
     assert cpp_ops.available(), "the C++ ops must build on this machine (gcc is installed)"
     return lambda name: cpp_ops.op(name)
 

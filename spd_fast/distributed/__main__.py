@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", "--draft-vocab-size", dest="draft_vocab_size", type=non_negative_int, default=0,
                    metavar="SIZE", help="draft vocabulary of a random head (default 0: the full vocabulary)")
     p.add_argument("--seed-head", type=int, default=None, help="seed of a random head (default 0)")
-    p.add_argument("--num-stages", type=positive_int, help="must equal the number of processes (default: the world size)")
+    p.add_argument("--num-stages", type=positive_int,
+                   help="must equal the number of processes (default: the world size)")
     p.add_argument("--boundaries", type=layer_list, help="stage boundaries, e.g. 0,12,30 (uneven splits allowed)")
     p.add_argument("--anchors", type=layer_list,
                    help="PDM anchor layers of a random head, e.g. 0,10,20,29 (default: boundaries)")

@@ -189,11 +189,10 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
         raise SpdConfigError(f"none of the {len(samples)} --val samples has an answer token within the first "
                              f"{max_seq_len} tokens (a longer prompt leaves its answer out); pass held-out samples "
                              f"with answers and shorter prompts")
-    rows_ = max(rows, 1.0)
-    acc = {str(t): {str(s): sums[(t, s)] / rows_ for s in scales} for t in temperatures}
+    acc = {str(t): {str(s): sums[(t, s)] / rows for s in scales} for t in temperatures}
     mean = {str(s): sum(acc[str(t)][str(s)] for t in temperatures) / len(temperatures) for s in scales}
     best = max(scales, key=lambda s: mean[str(s)])
-    res = {"rows": int(rows), "top1": agree / rows_, "acceptance": acc, "mean": mean, "best_scale": best}
+    res = {"rows": int(rows), "top1": agree / rows, "acceptance": acc, "mean": mean, "best_scale": best}
     if lookup:
         res["lookup_gate"] = dict(lookup_gate_table(fired, int(rows), pdm_right, gate_confidences, gate_ratios),
                                   lookup=lookup)

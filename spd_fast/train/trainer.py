@@ -432,7 +432,7 @@ class PdmTrainer:
             raise SpdConfigError(f"{out} holds a run whose head does not fit the one asked for ({str(e)[:200]}); "
                                  f"pass --no-resume (or another --out) to start over") from None
         self.step = st["step"]  # the LR schedule follows this run's steps (a resume may extend a run)
-        if st.get("cfg", {}).get("steps") == self.cfg.steps and "total_steps" in st:
+        if old_cfg.get("steps") == self.cfg.steps and "total_steps" in st:
             # the same run asked again: keep the length a time budget fitted it to (it ended there)
             self.total_steps, self.budget_done = st["total_steps"], st.get("budget_done", False)
             self.train_seconds = float(st.get("train_seconds", 0.0))  # a time budget counts the earlier sessions
