@@ -18,7 +18,7 @@ from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_la
                      check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine
-from .pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
+from .pdm import DraftConfig, DraftHead, load_draft, random_draft_head, read_draft_config
 from .runtime import Prompt, Target, is_token_ids, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
 
@@ -463,8 +463,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             draft, source = found, f"shipped:{found.name}"
     if draft == "random":
         dcfg = DraftConfig.make(net.cfg, b, anchors, draft_layers, fingerprint=target.fingerprint)
-        head = init_from_target(DraftHead(dcfg, net.cfg, net.norm), net, seed).to(net.dtype).eval()
-        head.requires_grad_(False)
+        head = random_draft_head(net, dcfg, seed)  # on the model's device: a CPU head beside a CUDA model failed
         source = "random"
     else:
         shipped = source.startswith("shipped:")  # draft=None: the shipped head runs at any split of its n

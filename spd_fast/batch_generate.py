@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .config import SpdConfigError
 from .model import Transformer, kv_bound_for
 from .sampling import SamplingParams, next_token
 
@@ -19,11 +20,17 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new
                    params: SamplingParams, eos_ids: Sequence[int], generator: torch.Generator | None = None
                    ) -> list[list[int]]:
     B = len(prompts)
+    if not B:
+        return []
+    if any(len(p) == 0 for p in prompts):  # its last row would be a pad's (index -1): a made-up first token
+        raise SpdConfigError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} of the batch is empty; "
+                             f"give every prompt at least one token")
     dev = model.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     T = int(lens.max())
     if T + max_new_tokens > model.max_len:
-        raise ValueError(f"longest prompt {T} + max_new_tokens {max_new_tokens} exceeds max_len {model.max_len}")
+        raise SpdConfigError(f"longest prompt {T} + max_new_tokens {max_new_tokens} exceeds the cache's max_len "
+                             f"{model.max_len}; set up the caches longer (model.setup_caches) or shorten the prompts")
     model.setup_caches(max(B, model.layers[0].attn.k_cache.shape[0] if model.layers[0].attn.k_cache is not None else 0),
                        model.max_len)
     ids = torch.zeros(B, T, dtype=torch.long, device=dev)

@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "qwen2": (True, False),    # Qwen2 / Qwen2.5: bias on q, k, v
     "qwen3": (False, True),    # Qwen3: RMSNorm on q and k per head
 }
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 
 
 class RandomHeadWarning(UserWarning):
@@ -102,13 +103,7 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = _rope_settings(cfg)
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind not in ("llama3", "default", None):
@@ -129,9 +124,11 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", bias_default)),
+            # Qwen2's q/k/v projections always have a bias in transformers, whatever attention_bias says
+            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", bias_default)),
             qk_norm=qk_norm,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            # a config without it gets transformers' default for its family (LlamaConfig 2048, Qwen 32768)
+            max_position_embeddings=cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -153,6 +150,34 @@ class ModelConfig:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) as transformers reads them: version 5 takes `rope_scaling` if it is set,
+    else `rope_parameters`, with the theta inside it before the top-level `rope_theta`; version 4 reads only
+    `rope_scaling` and the top-level `rope_theta`. A config that the two versions would read differently is
+    ambiguous, and refused rather than guessed."""
+    top_theta = cfg.get("rope_theta")
+    legacy = cfg.get("rope_scaling") or None
+    params = cfg.get("rope_parameters") or None
+    chosen = legacy or params or {}
+    theta = chosen.get("rope_theta", top_theta)
+    kind = chosen.get("rope_type", chosen.get("type", "default"))
+
+    def fix(what: str) -> SpdConfigError:
+        return SpdConfigError(f"config.json: {what}, and transformers 4 and 5 read these keys differently; keep one "
+                              f"of them (or make them agree) so that the RoPE settings are unambiguous")
+
+    if legacy and params:
+        settings = [(d.get("rope_theta", top_theta), d.get("rope_type", d.get("type", "default")),
+                     {k: v for k, v in d.items() if k not in ("rope_theta", "rope_type", "type")})
+                    for d in (legacy, params)]
+        if settings[0] != settings[1]:
+            raise fix(f"rope_scaling {legacy} and rope_parameters {params} disagree")
+    if top_theta is not None and theta is not None and float(theta) != float(top_theta):
+        raise fix(f"rope_theta is {top_theta} but {'rope_scaling' if legacy else 'rope_parameters'} says "
+                  f"rope_theta {theta}")
+    return theta, (dict(chosen, rope_type=kind) if kind != "default" else None)
 
 
 _REQUIRED_HF_KEYS = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers")
@@ -191,6 +216,9 @@ def _check_hf_values(cfg: dict[str, Any]) -> None:
         v = cfg.get(k)
         if v is not None and not isinstance(v, dict):
             raise bad(k, "an object (or null)")
+        if isinstance(v, dict) and "rope_theta" in v and not (is_number(v["rope_theta"]) and v["rope_theta"] > 0):
+            raise SpdConfigError(f"config.json: {k}.rope_theta must be a positive number, got {v['rope_theta']!r}; "
+                                 f"fix it (or re-export the checkpoint with transformers' save_pretrained)")
         if isinstance(v, dict) and v.get("rope_type", v.get("type")) == "llama3":
             missing = [x for x in _LLAMA3_ROPE_KEYS if not is_number(v.get(x))]
             if missing:

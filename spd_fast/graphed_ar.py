@@ -13,7 +13,7 @@ import torch
 from .ar import DecodeResult, check_capacity, check_prompt_ids, prefill
 from .model import Transformer
 from .engine import Committer
-from .pipeline import Readback, graph_pool, on_device, run_ahead
+from .pipeline import Readback, capture_stream, graph_pool, on_device, run_ahead
 from .profiling import nvtx_range
 from .sampling import SamplingParams, next_token
 
@@ -64,7 +64,7 @@ class GraphedAR:
             g = torch.cuda.CUDAGraph()
             if generator is not None:
                 g.register_generator_state(generator)
-            with torch.cuda.graph(g, pool=graph_pool()):
+            with torch.cuda.graph(g, pool=graph_pool(), stream=capture_stream(m.device)):
                 self.step(params, generator)
             torch.cuda.synchronize()
             self._graph = g
@@ -114,15 +114,15 @@ class GraphedAR:
         reader = Readback(self.tokens, [self.pos])
         com = Committer(P + 1, eos, max_new_tokens, stop_fn)
         t_dec = time.perf_counter()
-        with torch.inference_mode():
-            for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,
-                                          lambda unread: com.committed + unread < max_new_tokens, "ar.readback",
-                                          max_launches=max_new_tokens + self.lag + 1):
-                for t in com.take(toks, pos):
-                    out.append(t)
-                    yield t
-                if com.stop:
-                    break
+        # (in inference mode through on_device, which leaves it at each yield)
+        for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,
+                                      lambda unread: com.committed + unread < max_new_tokens, "ar.readback",
+                                      max_launches=max_new_tokens + self.lag + 1):
+            for t in com.take(toks, pos):
+                out.append(t)
+                yield t
+            if com.stop:
+                break
         finished = com.finished
         dt = time.perf_counter() - t_dec
         steps = max(1, len(out) - 1)

@@ -30,6 +30,12 @@ def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torc
         "embed.weight": take("model.embed_tokens.weight"),
         "norm.weight": take("model.norm.weight"),
     }
+    if cfg.tie_word_embeddings and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"],
+                                                                               out["embed.weight"]):
+        # transformers then keeps the stored output layer untied; tying it here would change every logit
+        raise CheckpointError("checkpoint has an lm_head.weight that differs from model.embed_tokens.weight while "
+                              "its config.json says tie_word_embeddings is true; set tie_word_embeddings to false "
+                              "if the stored output layer is the model's, else drop lm_head.weight from the file")
     if not cfg.tie_word_embeddings:  # an untied output layer is a tensor of its own: its absence is not a tie
         if "lm_head.weight" not in sd:
             raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' while its config.json says "
@@ -86,11 +92,23 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"shard {f.name} {where}is missing from {path} (or is not a file); copy the "
                                   f"checkpoint again")
         try:
-            sd.update(load_file(str(f)))
+            part = load_file(str(f))
         except Exception as e:  # safetensors raises its own SafetensorError for truncation / bad headers
             raise CheckpointError(
                 f"cannot read {f} ({type(e).__name__}: {e}); the file is truncated or corrupt, copy it again") from e
+        if dup := next((k for k in part if k in sd), None):  # e.g. a stray copy beside the checkpoint
+            first = next(g.name for g in files if g != f and dup in _safetensors_keys(g))
+            raise CheckpointError(f"tensor {dup!r} is in both {first} and {f.name} in {path}; remove the file that "
+                                  f"does not belong to the checkpoint (or add its model.safetensors.index.json)")
+        sd.update(part)
     return sd
+
+
+def _safetensors_keys(f: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as fh:
+        return set(fh.keys())
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,

@@ -341,6 +341,13 @@ def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:
     return head
 
 
+def random_draft_head(target, dcfg: "DraftConfig", seed: int = 0) -> DraftHead:
+    """An untrained head for inference (`draft="random"`, or no shipped head): seeded, on the target's device and
+    in its dtype, frozen."""
+    head = init_from_target(DraftHead(dcfg, target.cfg, target.norm), target, seed)
+    return head.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).eval().requires_grad_(False)
+
+
 def set_draft_vocab(head: DraftHead, token_ids: torch.Tensor, target) -> None:
     """Point the head at a draft vocabulary (index -> token id) and copy the target's LM-head rows."""
     with torch.no_grad():

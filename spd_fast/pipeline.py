@@ -23,6 +23,8 @@ Tokens are only ever taken up to the verified position, and never past an EOS.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections import deque
 from dataclasses import replace
@@ -33,6 +35,7 @@ import torch
 from .ar import check_capacity, check_prompt_ids
 from .config import SpdConfigError
 from .engine import Committer, PipelineState, SPDEngine, metrics_from
+from . import ops
 from .ops import verify_greedy, verify_sampling
 from .profiling import nvtx_range
 from .sampling import SamplingParams
@@ -50,6 +53,21 @@ def graph_pool():
     aborted capture most likely left the CUDA generator unusable (the next `normal_` raised "Offset
     increment outside graph capture")."""
     return torch.cuda.graph_pool_handle()
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device: torch.device):
+    """The stream graphs of `device` are captured on. `torch.cuda.graph` without `stream=` uses one stream of the
+    process, made on whichever GPU was current at the first capture: a later capture for a model on another GPU
+    would then capture nothing of that model's work (its current stream is not the capturing one)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _CAPTURE_STREAMS[device]
 
 
 def resolve_placement(placement: str, device: str | torch.device, num_stages: int) -> list[torch.device]:
@@ -80,23 +98,27 @@ def resolve_placement(placement: str, device: str | torch.device, num_stages: in
 
 
 def on_device(steps: Iterator[int], device: torch.device) -> Iterator[int]:
-    """Run a decode generator with `device` as the current CUDA device while it runs (never across a yield
-    into the caller's code). Streams, events and graph captures that name no device use the current one, so
-    on a model loaded on, say, cuda:1 they would otherwise go to cuda:0: events that wait for nothing (stale
-    tokens read back) and a capture that records no kernel. Off CUDA it is `steps` itself."""
-    if device.type != "cuda":
-        yield from steps
-        return
+    """Run a decode generator in inference mode and, on CUDA, with `device` as the current device, while it runs
+    (never across a yield into the caller's code, where inference mode would turn the caller's own tensors into
+    inference tensors). Streams, events and graph captures that name no device use the current one, so on a
+    model loaded on, say, cuda:1 they would otherwise go to cuda:0: events that wait for nothing (stale tokens
+    read back) and a capture that records no kernel."""
+    def ctx() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        stack.enter_context(torch.inference_mode())
+        return stack
     try:
         while True:
-            with torch.cuda.device(device):
+            with ctx():
                 try:
                     t = next(steps)
                 except StopIteration:
                     return
             yield t
     finally:
-        with torch.cuda.device(device):
+        with ctx():
             steps.close()
 
 
@@ -301,9 +323,16 @@ class PipelinedEngine:
 
     # ---- static state and capture ------------------------------------------------------------------
     def _static(self, st: PipelineState, params: SamplingParams, generator: torch.Generator | None) -> DeviceCycle:
+        if self.cuda_graphs and self.swap_handoff:
+            raise SpdConfigError("swap_handoff swaps the stage hand-off buffers in Python, once per cycle, and a CUDA "
+                                 "graph replays the buffers of its capture: set cuda_graphs=False to use it")
         # the generator object, not its id (a freed one's id is reused); the seed lives in the generator
+        # and the Python state a capture bakes in: the kernel backend, the drafter, its lookup and the head's config
+        # (gate, copy boost, draft temperature scale); a change to any of them captures again
+        d = self.engine.drafter
         key = (self.engine.model.max_len, self.engine.model.cache_version, replace(params, seed=None), generator,
-               st.q_ring is not None)
+               st.q_ring is not None, ops.BACKEND, d, getattr(d, "lookup", None),
+               getattr(getattr(d, "head", None), "dcfg", None))
         if self._cycle is None or self._key != key:
             static = PipelineState(
                 tokens=torch.zeros_like(st.tokens), p_new=torch.zeros_like(st.p_new), fill=torch.zeros_like(st.fill),
@@ -341,7 +370,7 @@ class PipelinedEngine:
         g = torch.cuda.CUDAGraph()
         if generator is not None:
             g.register_generator_state(generator)
-        with torch.cuda.graph(g, pool=graph_pool()):
+        with torch.cuda.graph(g, pool=graph_pool(), stream=capture_stream(dev)):
             cyc.run(self.rt)
         for k, v in saved.items():
             getattr(cyc.st, k).copy_(v)
@@ -393,18 +422,18 @@ class PipelinedEngine:
 
         def metrics(committed: int) -> None:
             self.last_metrics = metrics_from(*counters, committed, e.n, time.perf_counter() - t_dec, t1 - t0)
-        with torch.inference_mode():
-            # each cycle commits at most one token: never launch more than could still be needed
-            # a cycle commits a token at least every n + 1 cycles (a reject refills n stages), so a decode that
-            # needs more cycles than that for max_new_tokens is stuck (e.g. a graph that replays nothing)
-            bound = (e.n + 1) * (max_new_tokens + 1) + self.lag
-            for toks, scal in run_ahead(lambda: self._one_cycle(cyc), reader, self.lag,
-                                        lambda unread: com.committed + unread < max_new_tokens, "spd.readback",
-                                        max_launches=bound):
-                p_new_h, fill_h, counters[:] = scal[0], scal[1], scal[2:]
-                yield from com.take(toks, p_new_h - fill_h + 1, metrics)
-                if com.stop:
-                    break
+        # (in inference mode through on_device, which leaves it at each yield)
+        # each cycle commits at most one token: never launch more than could still be needed
+        # a cycle commits a token at least every n + 1 cycles (a reject refills n stages), so a decode that
+        # needs more cycles than that for max_new_tokens is stuck (e.g. a graph that replays nothing)
+        bound = (e.n + 1) * (max_new_tokens + 1) + self.lag
+        for toks, scal in run_ahead(lambda: self._one_cycle(cyc), reader, self.lag,
+                                    lambda unread: com.committed + unread < max_new_tokens, "spd.readback",
+                                    max_launches=bound):
+            p_new_h, fill_h, counters[:] = scal[0], scal[1], scal[2:]
+            yield from com.take(toks, p_new_h - fill_h + 1, metrics)
+            if com.stop:
+                break
         self.last_finished_by_eos = com.finished
         self.last_state = st
 

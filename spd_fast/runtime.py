@@ -1,6 +1,7 @@
 """A loaded target model: weights, tokenizer, EOS ids and identity, plus prompt encoding."""
 from __future__ import annotations
 
+import hashlib
 import json
 import numbers
 import os
@@ -110,12 +111,40 @@ def weights_fingerprint(model: Transformer) -> str:
                                model.layers[0].attn.wqkv.weight)
 
 
+def model_identity(model: Transformer) -> str:
+    """A full identity of what a model computes, for caches of its outputs (teacher features, self-distilled
+    answers): its config (RoPE, norm epsilon, ...) and the bytes of every parameter as loaded. Unlike the
+    sampled `fingerprint` that draft heads record, it sees a change to any layer or to config.json alone; it
+    also differs between dtypes, which those caches key on anyway. Hashing the bytes costs about a second per
+    GB, far less than the teacher pass it guards."""
+    h = hashlib.sha256()
+    cfg = model.cfg.to_dict()
+    for k in ("bos_token_id", "eos_token_ids"):  # token ids the model never reads
+        cfg.pop(k, None)
+    h.update(json.dumps(cfg, sort_keys=True).encode())
+    for name, p in model.named_parameters():  # tied weights are listed once
+        t = p.detach()
+        h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # no copy of the bytes on CPU
+    return h.hexdigest()[:16]
+
+
 def _eos_ids(path: Path, cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = list(cfg.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+        try:
+            gcfg = json.loads(gen.read_text())
+        except ValueError as e:
+            raise SpdConfigError(f"{gen} is not valid JSON ({e}); fix it or delete it (it only adds end-of-sequence "
+                                 f"ids)") from None
+        e = gcfg.get("eos_token_id") if isinstance(gcfg, dict) else None
+        e = e if isinstance(e, list) else ([e] if e is not None else [])
+        bad = [x for x in e if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < cfg.vocab_size)]
+        if bad:
+            raise SpdConfigError(f"{gen}: eos_token_id must be token ids below the vocabulary size {cfg.vocab_size}, "
+                                 f"got {bad[0]!r}; fix it or delete the key")
+        ids += e
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))

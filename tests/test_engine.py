@@ -330,3 +330,20 @@ def test_an_open_stream_leaves_the_callers_grad_mode_alone(default_target, metho
     x = torch.ones(2, requires_grad=True)
     (x * 2).sum().backward()
     assert x.grad.tolist() == [2.0, 2.0]
+
+
+def test_a_random_head_takes_the_models_dtype_and_device_and_is_frozen(tiny_checkpoint):
+    """`draft="random"` (and no shipped head) builds the head with `pdm.random_draft_head`: in the model's dtype,
+    on its device (a head left on the CPU beside a CUDA model failed at the first cycle; bench/gpu_check.py
+    builds its heads with the same function on the GPU), in eval mode and without gradients."""
+    from spd_fast.loading import load_hf_dir
+    from spd_fast.pdm import DraftConfig, random_draft_head
+
+    m = load_hf_dir(tiny_checkpoint("llama"), torch.bfloat16)
+    dcfg = DraftConfig.make(m.cfg, uniform_boundaries(m.cfg.num_layers, 3), None, 1, 50)
+    head = random_draft_head(m, dcfg, seed=3)
+    params = list(head.parameters())
+    assert params and all(p.dtype == torch.bfloat16 and p.device == m.embed.weight.device for p in params)
+    assert not head.training and not any(p.requires_grad for p in params)
+    again = random_draft_head(m, dcfg, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(params, again.parameters()))

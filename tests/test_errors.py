@@ -161,6 +161,43 @@ def test_an_untied_checkpoint_without_its_output_layer_is_refused(tiny_checkpoin
     assert m.lm_head.weight is m.embed.weight
 
 
+def test_a_tied_config_with_another_stored_output_layer_is_refused(tiny_checkpoint, tmp_path):
+    """transformers keeps a stored lm_head.weight that differs from the embedding untied, whatever
+    tie_word_embeddings says; tying it here silently gave other logits. A stored copy of the embedding is fine."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "both"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(SpdConfigError, match=r"checkpoint has an lm_head.weight that differs from "
+                                             r"model.embed_tokens.weight while its config.json says "
+                                             r"tie_word_embeddings is true; set tie_word_embeddings to false"):
+        load_hf_dir(d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    save_file(sd, str(d / "model.safetensors"))
+    m = load_hf_dir(d)
+    assert m.lm_head.weight is m.embed.weight
+
+
+def test_qwen2_attention_bias_false_is_ignored_as_transformers_does(tiny_checkpoint, tmp_path):
+    """Qwen2's q/k/v projections always carry a bias in transformers; a config saying attention_bias false
+    used to build none and then refuse the checkpoint for its "unimplemented" biases."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "q"
+    shutil.copytree(tiny_checkpoint("qwen2"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
+    m = load_hf_dir(d)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.arange(1, 20)[None]
+    m.setup_caches(1, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, torch.arange(19)[None]), hf(ids).logits, atol=2e-5, rtol=1e-4)
+
+
 def test_truncated_gguf(tmp_path):
     from spd_fast.gguf_loader import read_gguf
     from spd_fast.store import default_gguf_path
@@ -537,6 +574,16 @@ def test_a_gguf_whose_tokenizer_cannot_be_rebuilt_is_named_and_nothing_is_cached
     ({"rope_scaling": {"rope_type": "llama3"}}, r"rope_scaling of type 'llama3' needs the numbers factor, "
                                                 r"low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ({"rope_theta": -1.0}, r"config.json: rope_theta must be a positive number, got -1.0"),
+    # the tiny checkpoints are written by transformers 5: rope_parameters {"rope_theta": 10000.0, "rope_type": ...}
+    ({"rope_theta": 20000.0}, r"config.json: rope_theta is 20000.0 but rope_parameters says rope_theta 10000.0, and "
+                              r"transformers 4 and 5 read these keys differently; keep one of them"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 32}},
+     r"config.json: rope_scaling \{.*\} and rope_parameters \{.*\} disagree, and transformers 4 and 5 read"),
+    ({"rope_parameters": {"rope_theta": 10000.0, "type": "linear", "factor": 2.0}},
+     r"unsupported rope_scaling type 'linear'; supported: 'llama3' or none"),
+    ({"rope_parameters": {"rope_theta": "1e4"}}, r"config.json: rope_parameters.rope_theta must be a positive number, "
+                                                 r"got '1e4'"),
     ({"rms_norm_eps": "1e-6"}, r"config.json: rms_norm_eps must be a positive number, got '1e-6'"),
     ({"eos_token_id": "2"}, r"config.json: eos_token_id must be a token id or a list of token ids, got '2'"),
     ({"bos_token_id": [1]}, r"config.json: bos_token_id must be a token id, got \[1\]"),
@@ -1078,3 +1125,45 @@ def test_eos_ids_are_checked_for_form_before_the_model_loads(monkeypatch):
         with pytest.raises(SpdConfigError, match=r"^eos id 'a' is not a token id of this model \(an integer >= 0\); "
                                                  "pass stop token ids"):
             fn("hi", eos_ids=[2, "a"])
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", r"generation_config.json is not valid JSON \(.*\); fix it or delete it"),
+    ('{"eos_token_id": 5000}', r"generation_config.json: eos_token_id must be token ids below the vocabulary size "
+                               r"97, got 5000; fix it or delete the key"),
+    ('{"eos_token_id": [2, "3"]}', r"eos_token_id must be token ids below the vocabulary size 97, got '3'"),
+])
+def test_a_bad_generation_config_is_named(tiny_checkpoint, tmp_path, text, message):
+    """It used to raise a bare JSONDecodeError, or take an id past the vocabulary (or a string) as end of text."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    (d / "generation_config.json").write_text(text)
+    with pytest.raises(SpdConfigError, match=message):
+        spd_fast.load(model=str(d), draft="random", max_len=64)
+
+
+def test_batched_generation_refuses_an_empty_prompt_and_an_overlong_batch(tiny_checkpoint):
+    from spd_fast.batch_generate import generate_batch
+    from spd_fast.sampling import SamplingParams
+
+    m = load_hf_dir(tiny_checkpoint("llama"))
+    m.setup_caches(2, 32)
+    with pytest.raises(SpdConfigError, match=r"prompt 1 of the batch is empty; give every prompt at least one token"):
+        generate_batch(m, [[1, 2], []], 4, SamplingParams(), [])
+    with pytest.raises(SpdConfigError, match=r"longest prompt 30 \+ max_new_tokens 4 exceeds the cache's max_len 32"):
+        generate_batch(m, [[1] * 30], 4, SamplingParams(), [])
+    assert generate_batch(m, [], 4, SamplingParams(), []) == []
+
+
+def test_a_stray_safetensors_file_with_the_same_tensors_is_named(tiny_checkpoint, tmp_path):
+    """Without an index every *.safetensors file is read: one tensor in two files used to be silently taken
+    from whichever came last."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    sd = load_file(str(d / "model.safetensors"))
+    save_file({"model.norm.weight": sd["model.norm.weight"] * 2}, str(d / "old-copy.safetensors"))
+    with pytest.raises(SpdConfigError, match=r"tensor 'model.norm.weight' is in both model.safetensors and "
+                                             r"old-copy.safetensors in .*; remove the file that does not belong"):
+        load_hf_dir(d)

@@ -22,6 +22,29 @@ def test_logits_match_transformers_tiny(tiny_checkpoint, family):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_rope_written_the_old_way_inside_rope_parameters_matches_transformers(tiny_checkpoint, tmp_path):
+    """transformers 5 reads the RoPE kind of `rope_parameters` from "rope_type" or, as older configs wrote it,
+    "type": a llama3 scaling written with "type" used to load here as plain RoPE, with no error."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("llama3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    rp = cfg["rope_parameters"]
+    assert rp["rope_type"] == "llama3"
+    cfg["rope_parameters"] = {("type" if k == "rope_type" else k): v for k, v in rp.items()}
+    (d / "config.json").write_text(json.dumps(cfg))
+    ours = tiny_target(str(d), max_len=128)
+    assert ours.cfg.rope_scaling["rope_type"] == "llama3"
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))  # past the original 32
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, torch.arange(100)[None]), hf(ids).logits, atol=2e-5, rtol=1e-4)
+
+
 def test_default_model_logits_match_transformers(default_target):
     from transformers import AutoModelForCausalLM
 
@@ -311,3 +334,16 @@ def test_fingerprint_is_the_checkpoints_in_every_dtype(tiny_checkpoint, default_
     shipped = json.loads((HEADS_DIR / "smollm2-135m-instruct-n3" / "draft_config.json").read_text())
     assert half.fingerprint == default_target.fingerprint == shipped["base_fingerprint"]
     assert shipped_head(half, 3) == HEADS_DIR / "smollm2-135m-instruct-n3"
+
+
+def test_a_config_without_max_position_embeddings_gets_transformers_default():
+    """The context check uses what transformers would assume for the family (it was 8192 for all)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    from spd_fast.config import ModelConfig
+
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                rms_norm_eps=1e-5)
+    for family, hf in (("llama", LlamaConfig), ("qwen2", Qwen2Config), ("qwen3", Qwen3Config)):
+        got = ModelConfig.from_hf_dict({**base, "model_type": family}).max_position_embeddings
+        assert got == hf().max_position_embeddings, family

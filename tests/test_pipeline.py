@@ -625,3 +625,72 @@ def test_gpu_check_keeps_the_other_n_when_one_fails(tmp_path, monkeypatch, capsy
                     str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL timing tiny n=3: RuntimeError: capture failed" in out and "| tiny |" in out
+
+
+def test_decoders_leave_inference_mode_at_each_yield(tiny_checkpoint):
+    """The pipelined and graphed-AR generators run in inference mode only while they run: between tokens the
+    caller's own tensors stay normal ones (they became inference tensors, which autograd then refuses)."""
+    from spd_fast.graphed_ar import GraphedAR
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    for gen in (pipe.generate([1, 2, 3], 6, GREEDY, []), GraphedAR(m, lag=2).generate([1, 2, 3], 6, GREEDY, [])):
+        seen = []
+        for _ in gen:
+            seen.append(torch.is_inference_mode_enabled() or torch.ones(1).is_inference())
+        assert len(seen) == 6 and not any(seen), seen
+
+
+def test_the_graph_key_holds_the_kernel_backend_and_the_drafter(tiny_checkpoint):
+    """A capture bakes in the fused-op backend and the drafter's settings: changing them builds the cycle (and on
+    a GPU its graph) again instead of replaying the old one. Same settings: the cycle is reused."""
+    from dataclasses import replace
+
+    from spd_fast import kernels
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = random_head(m, b, vocab=97)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(head, 2), b), "simulated")
+    want = pipe.run([1, 2, 3], 8, GREEDY, []).token_ids
+    first = pipe._cycle
+    assert pipe.run([1, 2, 3], 8, GREEDY, []).token_ids == want and pipe._cycle is first
+    with kernels.use_backend("auto"):
+        assert pipe.run([1, 2, 3], 8, GREEDY, []).token_ids == want and pipe._cycle is not first
+    second = pipe._cycle
+    pipe.run([1, 2, 3], 8, GREEDY, [])
+    third = pipe._cycle
+    head.dcfg = replace(head.dcfg, lookup_gate_confidence=0.5, lookup_gate_ratio=0.1)
+    pipe.run([1, 2, 3], 8, GREEDY, [])
+    assert third is not second and pipe._cycle is not third
+
+
+def test_swapped_handoffs_under_cuda_graphs_are_refused(tiny_checkpoint):
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(random_head(m, b, vocab=97)), b), "simulated")
+    pipe.swap_handoff, pipe.cuda_graphs = True, True  # as a test switch would set them; refused before any capture
+    with pytest.raises(SpdConfigError, match=r"swap_handoff swaps the stage hand-off buffers in Python, .*: set "
+                                             r"cuda_graphs=False to use it"):
+        pipe.run([1, 2, 3], 4, GREEDY, [])
+
+
+def test_graphs_are_captured_on_a_stream_of_the_models_device(monkeypatch):
+    """torch.cuda.graph's own capture stream belongs to the GPU of the process's first capture; each device gets
+    its own here (and "cuda" means the current device)."""
+    from spd_fast import pipeline
+
+    made = []
+
+    class FakeStream:
+        def __init__(self, device):
+            made.append(device)
+            self.device = device
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(pipeline, "_CAPTURE_STREAMS", {})
+    s0 = pipeline.capture_stream(torch.device("cuda:0"))
+    s1 = pipeline.capture_stream(torch.device("cuda:1"))
+    assert s0 is pipeline.capture_stream(torch.device("cuda", 0)) and s1 is pipeline.capture_stream(torch.device("cuda"))
+    assert s0 is not s1 and made == [torch.device("cuda:0"), torch.device("cuda:1")]

@@ -218,6 +218,19 @@ def test_self_distillation_answers_of_other_settings_are_not_reused(full_vocab_c
     assert rc == 2 and "self_distill.jsonl holds answers made with other settings (max_new_tokens 4 vs 6)" in err
     rc, err = run(base + ["--gen-max-new-tokens", "4", "--max-prompts", "2"], capsys)
     assert rc == 0, err
+    # the same weights under another config.json (RoPE base) answer differently: their answers are not reused,
+    # though the sampled weights fingerprint that draft heads record is the same
+    import shutil
+
+    other = tmp_path / "other_rope"
+    shutil.copytree(full_vocab_checkpoint, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] *= 2  # transformers 5 writes the RoPE base here
+    (other / "config.json").write_text(json.dumps(cfg))
+    out = small(str(other), tmp_path / "o", *base[base.index("--prompts"):], "--gen-max-new-tokens", "4")
+    rc, err = run(out, capsys)
+    assert rc == 2 and "self_distill.jsonl holds answers made with other settings (model_identity " in err, err
+    assert "fingerprint" not in err.split("other settings")[1].split("model_identity")[0], err
     assert json.loads((tmp_path / "o" / "train_config.json").read_text())["samples"] == 2
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write {i}."}) + "\n" for i in range(4)))
     rc, err = run(base + ["--gen-max-new-tokens", "4"], capsys)

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     from ..runtime import load_target
     from . import heap
     from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
-    from .trainer import TrainConfig, drop_unlearnable, epoch_steps, pack_batches, train
+    from .trainer import (TrainConfig, drop_unlearnable, epoch_steps, init_lead_wait, pack_batches, train,
+                          wait_for_lead)
 
     a = build_parser(help_command).parse_args(argv)
     rank, world = 0, 1
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
             # a rank waits in a collective while rank 0 validates or writes a checkpoint: allow it
             ctx = init_rank(a.device, startup_timeout=3600.0)
             rank, world, device = ctx.rank, ctx.world_size, ctx.device
+            init_lead_wait()  # longer waits: rank 0 alone self-distils or builds the teacher cache
     except SpdConfigError as e:
         print(f"spd_fast.train: error: {cli_message(e, build_parser())}", file=sys.stderr)
         return 2
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
                     path = self_distill(target, prompts, path, a.gen_max_new_tokens, a.gen_batch,
                                         a.gen_temperature, a.seed)
                 if world > 1:
-                    dist.barrier()
+                    wait_for_lead()
                 log(json.dumps({"self_distill": str(path), "prompts": len(prompts),
                                 "seconds": round(time.perf_counter() - t0, 1)}))
                 chosen = {p["id"] for p in prompts}  # the file may hold answers to prompts of an earlier run

@@ -14,7 +14,7 @@ import torch
 from ..batch_generate import generate_batch
 from ..config import SpdConfigError
 from ..progress import bar
-from ..runtime import Target, chat_ids
+from ..runtime import Target, chat_ids, model_identity
 from ..sampling import SamplingParams
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
@@ -126,8 +126,8 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     """
     out_path = Path(out_path)
     meta_path = out_path.with_name(out_path.name + ".meta.json")
-    meta = {"fingerprint": target.fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "seed": seed}
+    meta = {"fingerprint": target.fingerprint, "model_identity": model_identity(target.model),
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
     if out_path.is_file():
         _drop_partial_line(out_path)
     rows = read_jsonl(out_path) if out_path.is_file() else []
@@ -141,7 +141,9 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
         except ValueError:
             raise SpdConfigError(f"{meta_path} (the settings of the answers in {out_path.name}) is unreadable; "
                                  f"delete both files to make new answers, or use another --out") from None
-        diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items() if old.get(k) != v]
+        # a sidecar written before model_identity existed is checked on the rest (its sampled fingerprint)
+        diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items()
+                if old.get(k) != v and not (k == "model_identity" and k not in old)]
         if diff:
             raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
                                  f"(and {meta_path.name}) to make new ones, or use another --out")

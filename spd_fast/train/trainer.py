@@ -28,6 +28,7 @@ from ..config import SpdConfigError
 from ..model import Transformer, apply_rope
 from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
 from ..progress import interactive
+from ..runtime import model_identity
 from . import heap
 from .mask import structured_mask
 
@@ -91,6 +92,27 @@ def _layer_train(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
 # the CPU those blocks, of a new size every step, fragmented the heap: a 4-layer n=3 run of 8,192-token batches grew to
 # 23 GB and was killed at step 165 (docs/TRAINING.md). Their recomputation in the backward pass costs one more
 # [rows, H] x [H, V_d] product per chunk.
+# Under torchrun the other ranks wait while rank 0 alone self-distils, builds the teacher cache (2 h on a 2-core
+# CPU for 30k answers) or saves: in a barrier of their own gloo group with this timeout, not in the default
+# group's, whose timeout (an hour) also bounds a hung collective. A rank that fails ends the whole job anyway
+# (torchrun stops the others), so the long timeout does not turn an error into a hang.
+LEAD_WAIT_S = 48 * 3600
+_lead_group = None
+
+
+def init_lead_wait() -> None:
+    """Every rank calls this once, right after the process group starts (new_group is collective)."""
+    global _lead_group
+    from datetime import timedelta
+
+    _lead_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=LEAD_WAIT_S))
+
+
+def wait_for_lead() -> None:
+    """A barrier where ranks wait for rank 0's work alone (see LEAD_WAIT_S)."""
+    dist.barrier(group=_lead_group)
+
+
 LOSS_CHUNK = 1024
 
 # answer-position buckets of the validation report: [0, 64), [64, 128), [128, 192), [192, 256), [256, ...)
@@ -141,7 +163,8 @@ class PdmTrainer:
         return torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up, then linear decay to 0 at the last step; a run shorter than twice the warm-up (e.g.
+        """The lr of step `step` (from 0): linear warm-up, then linear decay that reaches 0 at `total_steps`, one
+        past the last step taken; a run shorter than twice the warm-up (e.g.
         cut by a time budget) warms up over its first half only, so it still decays instead of ending on the ramp."""
         c = self.cfg
         warmup = min(c.warmup, self.total_steps // 2)
@@ -762,11 +785,11 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
 
         t_c = time.perf_counter()
         if not lead:
-            dist.barrier()  # rank 0 builds the cache first; the others then open it
-        cache = build_feature_caches(tgt, target_obj.fingerprint, samples, out / "feature_cache", dcfg.anchors,
+            wait_for_lead()  # rank 0 builds the cache first; the others then open it
+        cache = build_feature_caches(tgt, model_identity(tgt), samples, out / "feature_cache", dcfg.anchors,
                                     cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive() and lead)
         if lead and world > 1:
-            dist.barrier()
+            wait_for_lead()
         samples = [dict(s, _idx=i) for i, s in enumerate(samples)]
         tgt.free_caches()  # the teacher pass sized them for its largest batch (GBs); training reads the cache
         log(json.dumps({"feature_cache": str(cache.root), "seconds": round(time.perf_counter() - t_c, 1)}))
@@ -833,7 +856,8 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
             # loss. Each line is the mean over the steps since the last multiple of log_every (of this run).
             if trainer.step % cfg.log_every == 0 or len(agg) == 1 or trainer.step >= trainer.total_steps:
                 k = agg[-min(trainer.step % cfg.log_every or cfg.log_every, len(agg)):]
-                log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step),
+                # the lr the step just taken used (steps count from 1 in the log, from 0 in lr_at)
+                log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step - 1),
                                 "loss": sum(s["loss"] for s in k) / len(k), "top1": sum(s["top1"] for s in k) / len(k),
                                 "tokens_per_s": toks / (time.perf_counter() - t0)}))
             if lead and (trainer.step % cfg.save_every == 0 or trainer.step == trainer.total_steps):
@@ -846,7 +870,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     if lead:
         save()
     if world > 1:
-        dist.barrier()  # the others wait for rank 0's last checkpoint
+        wait_for_lead()  # the others wait for rank 0's last checkpoint
     head.eval()
     return head
 
