@@ -258,9 +258,11 @@ class DeviceCycle:
     def run(self, rt) -> None:
         """pre -> fork -> (draft | stage 0 | ... | stage n-1) -> join -> post."""
         main = rt.main
+        # marks at the start and the end of each phase (the simulated back end logs them; tests check the order)
         with nvtx_range("spd.pre"):
             rt.mark(("pre",))
             self.pre()
+            rt.mark(("pre", "end"))
         fork = rt.record(main)
         joins = []
         with rt.use(rt.pdm):
@@ -268,6 +270,7 @@ class DeviceCycle:
             with nvtx_range("spd.draft"):
                 rt.mark(("draft",))
                 self.draft()
+                rt.mark(("draft", "end"))
             joins.append(rt.record(rt.pdm))
         for s in range(self.n):
             ss = rt.stage[s]
@@ -276,12 +279,14 @@ class DeviceCycle:
                 with nvtx_range(f"spd.stage{s}"):
                     rt.mark(("stage", s))
                     self.stage(s)
+                    rt.mark(("stage", s, "end"))
                 joins.append(rt.record(ss))
         for ev in joins:
             rt.wait(main, ev)
         with nvtx_range("spd.verify"):
             rt.mark(("post",))
             self.post()
+            rt.mark(("post", "end"))
 
 
 class PipelinedEngine:

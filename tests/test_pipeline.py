@@ -193,13 +193,18 @@ def test_handoffs_are_ordered_and_stages_are_concurrent(tiny_checkpoint):
         assert work[0][0] == "pdm" and [w[0] for w in work[1:]] == [f"stage{s}" for s in range(n)]
         for _, clk in work:
             assert hb(pre[1], clk) and hb(clk, post[1])  # fork before, join after
+        # and by the phases' ends: the fork is recorded after pre's work, each join after its branch's work
+        pre_end, post_end = by[("pre", "end")], by[("post", "end")]
+        ends = [by[("draft", "end")]] + [by[("stage", s, "end")] for s in range(n)]
+        for (s0, start), (s1, end) in zip(work, ends):
+            assert s0 == s1 and hb(pre_end[1], start) and hb(start, end) and hb(end, post[1])
         for i in range(len(work)):  # nothing orders the draft and the stages among themselves
             for j in range(len(work)):
                 if i != j:
-                    assert not hb(work[i][1], work[j][1])
+                    assert not hb(work[i][1], work[j][1]) and not hb(ends[i][1], work[j][1])
         if prev_post is not None:  # cycles are serial
             assert hb(prev_post, pre[1])
-        prev_post = post[1]
+        prev_post = post_end[1]
 
 
 def test_placement_errors_name_what_exists():
