@@ -27,7 +27,9 @@ def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[..., V] non-negative weights, u [...] -> the first index whose running sum exceeds u * total.
 
     Zero-weight indices are never returned (rounding can push u * total past the last partial sum;
-    then the last positive index is the answer).
+    then the last positive index is the answer). Close to the weights' law, not exact: the fp32 running sum and
+    u's 2^-24 grid never draw a token lighter than about 2^-24 of the sum before it (docs/KERNELS.md); the
+    engine samples with `sampling.sample_from` instead.
     """
     cum = torch.cumsum(weights, dim=-1)
     target = (u * cum[..., -1])[..., None]

@@ -71,7 +71,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one index per row of [..., V] probs without a host sync (exponential-race trick)."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return torch.argmax(probs / e, dim=-1)
+    # a draw of exactly 0 (CPU torch can return one) would make 0/0 = NaN for a zero-probability token, and argmax
+    # picks NaN: the floor keeps such a token at 0
+    return torch.argmax(probs / e.clamp_min_(torch.finfo(e.dtype).tiny), dim=-1)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -185,3 +185,17 @@ def test_seeded_spd_sampling_reproducible(small_model):
     assert a == b_
     others = {tuple(eng.run([1, 2, 3], 12, p, [], torch.Generator().manual_seed(s)).token_ids) for s in (4, 5, 6)}
     assert others - {tuple(a)}  # the generator drives the samples: other seeds give other tokens
+
+
+def test_a_zero_exponential_draw_never_picks_a_zero_probability_token(monkeypatch):
+    """The exponential race divides by the draws: a draw of exactly 0 (possible on CPU) made 0/0 = NaN at a
+    zero-probability token, and argmax returns a NaN's index."""
+    real = torch.Tensor.exponential_
+
+    def zeros_first(self, *a, **k):
+        real(self, *a, **k)
+        return self.index_fill_(-1, torch.tensor([0]), 0.0)
+    monkeypatch.setattr(torch.Tensor, "exponential_", zeros_first)
+    probs = torch.tensor([[0.0, 0.25, 0.75], [0.0, 1.0, 0.0]])
+    for seed in range(20):
+        assert (sample_from(probs, torch.Generator().manual_seed(seed)) != 0).all()
