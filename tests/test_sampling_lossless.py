@@ -199,3 +199,52 @@ def test_a_zero_exponential_draw_never_picks_a_zero_probability_token(monkeypatc
     probs = torch.tensor([[0.0, 0.25, 0.75], [0.0, 1.0, 0.0]])
     for seed in range(20):
         assert (sample_from(probs, torch.Generator().manual_seed(seed)) != 0).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=0.7, top_k=3)],
+                         ids=["t0.8", "t0.7-topk3"])
+def test_each_draft_comes_with_the_q_it_was_drawn_from(small_model, params):
+    """Draft by draft: the q handed to verification is the head's distribution at T * draft_temperature_scale
+    (top-k applied there, zero outside the draft vocabulary), and the drafted tokens follow those q (chi-square
+    of the counts against the summed q). The end-to-end tests above cannot see a q at T while the draw is at
+    T * scale: with a sharp head q barely moves between the two."""
+    import dataclasses
+
+    from spd_fast.sampling import probs_from_logits
+    from test_engine import random_head
+
+    b = (0, 2, 4)
+    head = random_head(small_model, b, seed=3)  # flat enough that the scale matters
+    scale = 0.5
+    head.dcfg = dataclasses.replace(head.dcfg, draft_temperature_scale=scale)
+    drafter = PdmDrafter(head, 0)
+    logits_seen, drafts = [], []
+    real_logits, real_draft = head.draft_logits, drafter.draft
+
+    def draft_logits(h):
+        out = real_logits(h)
+        logits_seen.append(out.detach().clone())
+        return out
+
+    def draft(*a, **k):
+        tok, q = real_draft(*a, **k)
+        drafts.append((int(tok), q.clone()))
+        return tok, q
+    head.draft_logits, drafter.draft = draft_logits, draft
+    eng = SPDEngine(small_model, drafter, b)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(150):
+        eng.run([1, 2], 6, params, [], g)
+    assert len(drafts) == len(logits_seen) > 400
+    V = small_model.cfg.vocab_size
+    scaled = dataclasses.replace(params, temperature=params.temperature * scale)
+    obs, exp = torch.zeros(V), torch.zeros(V)
+    for (tok, q), lg in zip(drafts, logits_seen):
+        want = torch.zeros(V).scatter(0, head.draft_vocab, probs_from_logits(lg.float(), scaled))
+        torch.testing.assert_close(q.float(), want, atol=1e-6, rtol=1e-5)
+        assert q[tok] > 0
+        obs[tok] += 1
+        exp += q.float()
+    keep = exp > 5
+    assert int(keep.sum()) >= 3
+    assert chisquare(obs[keep].numpy(), (exp[keep] * obs[keep].sum() / exp[keep].sum()).numpy()).pvalue > P_MIN
