@@ -114,6 +114,20 @@ def test_sampled_spd_matches_exact_ar_law(small_model, mode):
     assert pv > P_MIN, (mode, pv)
 
 
+def test_seven_tokens_jointly_match_the_exact_ar_law(small_model, monkeypatch):
+    """Past the first few tokens: 7 new tokens at n=3 (the q ring wraps, several reject -> refill -> verify
+    rounds per run) with the boosted lookup, one-hot copies outside the draft vocabulary and a draft scale,
+    against the exact law of all 2^7 top_k=2 paths."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "L", 7)
+    hk = dict(vocab=SUB5, scale=1.5, boost=2.0)
+    pv, rate = _fit(small_model, _runner(small_model, 3, hk, False), REP, SamplingParams(temperature=1.0, top_k=2),
+                    1500, seed=7)
+    assert 0.05 < rate < 0.95, rate
+    assert pv > P_MIN, pv
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1e-3)],
                          ids=["topk1", "T1e-3"])
 @pytest.mark.parametrize("prompt", [REP, [6, 7, 7, 7, 7]], ids=["rejects", "copies-accepted"])
