@@ -6,6 +6,7 @@ import functools
 import inspect
 import numbers
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,20 @@ def shipped_head(target: Target, num_stages: int) -> Path | None:
     return None
 
 
+_LOCKS_GUARD = threading.Lock()
+
+
+def decode_lock(model: torch.nn.Module) -> threading.RLock:
+    """The lock of a loaded model's caches (one KV cache, one PDM cache per engine): generate() holds it for the
+    whole call, so calls from several threads run one after the other instead of writing into each other's
+    caches; a stream holds it while it computes each token, not while the caller has it."""
+    with _LOCKS_GUARD:
+        lock = model.__dict__.get("_spd_decode_lock")
+        if lock is None:
+            lock = model.__dict__["_spd_decode_lock"] = threading.RLock()
+        return lock
+
+
 class Engine:
     """A loaded target model plus a draft head for one pipeline shape; reusable across calls."""
 
@@ -215,17 +230,29 @@ class Engine:
         target, would otherwise continue from the other's state. The count lives on the model, which
         owns the caches."""
         model = self.target.model
-        self._own_caches()  # another user of the model may have resized them since the call's capacity check
-        model.generations += 1
-        mine = model.generations
-        for t in self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn):
-            yield t
-            if model.generations != mine:
-                raise SpdConfigError(
-                    "another generate() or stream() ran on this engine (or on another Engine sharing its loaded "
-                    "model) while this stream was open and reused its KV cache, so this stream cannot go on; "
-                    "finish (or close) a stream before starting another generation on the same model, or load a "
-                    "second engine with spd_fast.load() for the other")
+        lock = decode_lock(model)  # held while the decoder runs, never across a yield into the caller's code
+        with lock:
+            self._own_caches()  # another user of the model may have resized them since the call's capacity check
+            model.generations += 1
+            mine = model.generations
+            steps = self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn)
+        try:
+            while True:
+                with lock:
+                    if model.generations != mine:
+                        raise SpdConfigError(
+                            "another generate() or stream() ran on this engine (or on another Engine sharing its "
+                            "loaded model) while this stream was open and reused its KV cache, so this stream cannot "
+                            "go on; finish (or close) a stream before starting another generation on the same "
+                            "model, or load a second engine with spd_fast.load() for the other")
+                    try:
+                        t = next(steps)
+                    except StopIteration:
+                        return
+                yield t
+        finally:
+            with lock:
+                steps.close()
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
@@ -262,6 +289,12 @@ class Engine:
         """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id). stop: strings that
         end the answer when its text contains one (the text is cut before it, as vLLM does). sampling_params: a
         SamplingParams in place of temperature, top_k, top_p and seed."""
+        with decode_lock(self.target.model):  # calls from several threads run one after the other
+            return self._generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids, stop)
+
+    def _generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int, temperature: float, top_k: int,
+                  top_p: float, seed: int | None, method: str, eos_ids: Sequence[int],
+                  stop: str | Sequence[str] | None) -> GenerationOutput | list[GenerationOutput]:
         prompts, single = _as_batch(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_method(method)
@@ -514,6 +547,14 @@ def _cache_key(kw: dict[str, Any]) -> tuple:
 def _cached_engine(method: str = "spd", **kw: Any) -> Engine:
     """One engine per set of settings, the last one kept. A RandomHeadWarning is held back while the engine
     only runs method="ar", which never drafts, and given at its first SPD call."""
+    with _ENGINES_LOCK:  # threads asking at once load one engine, not one each
+        return _cached_engine_locked(method, **kw)
+
+
+_ENGINES_LOCK = threading.RLock()
+
+
+def _cached_engine_locked(method: str, **kw: Any) -> Engine:
     # the n load() would pick, so num_stages=None and its explicit value share one engine
     kw["num_stages"] = _default_num_stages(kw.get("num_stages"), kw.get("draft"), kw.get("placement"))
     key = _cache_key(kw)

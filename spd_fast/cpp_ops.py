@@ -35,7 +35,22 @@ def build_dir() -> Path:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own setting for where extensions build comes first
     base = Path(root) / "spd_fast" if root else cache_root() / "cpp"
-    return base / _cpu_key()
+    return base / f"{_cpu_key()}-{_source_key()}"
+
+
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+
+
+def _source_key() -> str:
+    """The sources' bytes, the compiler flags and the torch version: ninja rebuilds by mtime and does not track
+    torch's headers, so a source put back with an older mtime, or a torch upgraded in place, would keep an old
+    library; a new key builds in a new directory instead."""
+    import hashlib
+
+    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__]).encode())
+    for src in SOURCES:
+        h.update(src.read_bytes() if src.is_file() else b"missing")
+    return h.hexdigest()[:10]
 
 
 def _cpu_key(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -63,9 +78,9 @@ def _build() -> None:
         stale = d / "lock"  # torch's FileBaton; nobody else is building while we hold the flock
         if stale.exists():
             stale.unlink()
+        # (CFLAGS: -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions)
         load(name="spd_fast_cpp", sources=[str(s) for s in SOURCES], build_directory=str(d), is_python_module=False,
-             # -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions
-             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              verbose=False)
     _register_fakes()
 

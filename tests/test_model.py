@@ -347,3 +347,39 @@ def test_a_config_without_max_position_embeddings_gets_transformers_default():
     for family, hf in (("llama", LlamaConfig), ("qwen2", Qwen2Config), ("qwen3", Qwen3Config)):
         got = ModelConfig.from_hf_dict({**base, "model_type": family}).max_position_embeddings
         assert got == hf().max_position_embeddings, family
+
+
+def test_gguf_reader_unpermutes_llama_qk_biases_like_their_weights(tmp_path):
+    """llama.cpp's converter permutes the rows of a llama model's Q and K biases as well as its weights; the
+    reader un-permuted only the weights."""
+    import gguf
+    import numpy as np
+
+    from spd_fast.gguf_loader import read_gguf
+
+    def permute(w, n):  # llama.cpp's LlamaModel.permute
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    H, V, F, nh, nkv = 64, 97, 96, 4, 2
+    r = np.random.default_rng(0)
+    hf = {"q_proj.weight": r.standard_normal((H, H)), "q_proj.bias": r.standard_normal(H),
+          "k_proj.weight": r.standard_normal((32, H)), "k_proj.bias": r.standard_normal(32)}
+    hf = {k: v.astype(np.float32) for k, v in hf.items()}
+    w = gguf.GGUFWriter(str(tmp_path / "b.gguf"), "llama")
+    w.add_context_length(512), w.add_embedding_length(H), w.add_block_count(1), w.add_feed_forward_length(F)
+    w.add_head_count(nh), w.add_head_count_kv(nkv), w.add_layer_norm_rms_eps(1e-6), w.add_vocab_size(V)
+    w.add_tensor("token_embd.weight", r.standard_normal((V, H)).astype(np.float32))
+    for n in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        w.add_tensor(n, np.ones(H, np.float32))
+    for part, n in (("q", nh), ("k", nkv)):
+        for kind in ("weight", "bias"):
+            w.add_tensor(f"blk.0.attn_{part}.{kind}", permute(hf[f"{part}_proj.{kind}"], n))
+    w.add_tensor("blk.0.attn_v.weight", r.standard_normal((32, H)).astype(np.float32))
+    w.add_tensor("blk.0.attn_v.bias", np.zeros(32, np.float32))
+    for n, shape in (("attn_output.weight", (H, H)), ("ffn_gate.weight", (F, H)), ("ffn_up.weight", (F, H)),
+                     ("ffn_down.weight", (H, F))):
+        w.add_tensor("blk.0." + n, r.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    _, sd = read_gguf(tmp_path / "b.gguf")
+    for k, v in hf.items():
+        assert np.array_equal(sd["model.layers.0.self_attn." + k].numpy(), v), k

@@ -1,6 +1,8 @@
 """GGUF-packed decode weights (spd_fast/packed.py, spd_fast/csrc/gguf_linear.cpp)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -166,7 +168,22 @@ def test_cpp_build_is_kept_per_cpu_kind(tmp_path):
     avx512.write_text("processor : 0\nflags : fpu sse avx avx2 fma avx512f avx512bw\n")
     keys = {cpp_ops._cpu_key(str(avx2)), cpp_ops._cpu_key(str(avx512))}
     assert len(keys) == 2  # another instruction set, another build
-    assert cpp_ops.build_dir().name == cpp_ops._cpu_key()
+    assert cpp_ops.build_dir().name == f"{cpp_ops._cpu_key()}-{cpp_ops._source_key()}"
+
+
+def test_cpp_build_directory_follows_the_sources_and_torch(tmp_path, monkeypatch):
+    """ninja decides by mtime and does not track torch's headers: a source put back with an older mtime, or a
+    torch upgraded in place, kept the old library. The build directory's name now holds their key."""
+    src = tmp_path / "a.cpp"
+    src.write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(cpp_ops, "SOURCES", (src,))
+    k1 = cpp_ops._source_key()
+    mtime = src.stat().st_mtime_ns
+    src.write_text("int f() { return 2; }\n")
+    os.utime(src, ns=(mtime, mtime))  # an older-or-equal mtime: ninja would not rebuild
+    k2 = cpp_ops._source_key()
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert len({k1, k2, cpp_ops._source_key()}) == 3
 
 
 def test_packed_cpp_ops_have_fakes_for_torch_compile():
