@@ -127,7 +127,9 @@ class StopStrings:
         while True:
             text = self.decode(self.ids[-w:])
             if len(text) >= need or w >= len(self.ids):
-                return self.cut(text) is not None
+                # U+FFFD at an end is half a character (the newest token's, or one the window starts inside),
+                # not text: a stop string must not match it
+                return self.cut(text.strip("\ufffd")) is not None
             w *= 2
 
     def cut(self, text: str) -> int | None:

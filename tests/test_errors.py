@@ -851,6 +851,10 @@ def test_stop_strings(default_target, method):
     assert len(default_target.decode(ids[-1:])) >= 16
     wide = StopStrings(default_target.decode, ["x="])
     assert [wide(i) for i in ids] == [False] * (len(ids) - 1) + [True]
+    # a character split over tokens decodes to U+FFFD until it is whole: a stop string never matches that half
+    ids = tok.encode("日本", add_special_tokens=False)
+    assert len(ids) > 2 and default_target.decode(ids[:1]).endswith("\ufffd")
+    assert not any(StopStrings(default_target.decode, ["\ufffd"])(i) for i in ids)
     for bad in ("", [""], 5, ["a", 3]):
         with pytest.raises(SpdConfigError, match="stop must be a non-empty string or a list of non-empty strings"):
             eng.generate("Count:", 4, method=method, stop=bad)
