@@ -6,6 +6,7 @@ so SPD's rejection sampling is exact with respect to the user's own parameters.
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -25,6 +26,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_k", "top_p", "seed"):  # numpy scalars as plain numbers, as generate() does
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                object.__setattr__(self, name, int(v))
+            elif isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)) and name in ("temperature",
+                                                                                                    "top_p"):
+                object.__setattr__(self, name, float(v))
         t, k, p = self.temperature, self.top_k, self.top_p
         try:  # an int too large for a float (10**400) overflows here, not in the first division by it
             finite = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(float(t))

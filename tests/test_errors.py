@@ -921,6 +921,16 @@ def test_generate_and_stream_take_a_device():
             fn("hi", max_new_tokens=2, device="cuda")
 
 
+def test_sampling_params_take_numpy_numbers():
+    """generate() took numpy scalars (through _plain_numbers) but SamplingParams itself refused them."""
+    import numpy as np
+
+    sp = SamplingParams(np.float32(0.5), np.int64(5), np.float64(0.9), np.int64(1))
+    assert sp == SamplingParams(0.5, 5, 0.9, 1) and type(sp.top_k) is int and type(sp.seed) is int
+    with pytest.raises(SpdConfigError, match="top_k must be an integer >= 0"):
+        SamplingParams(0.5, np.float32(2.0))
+
+
 def test_an_int_temperature_is_a_float():
     assert SamplingParams(10**30).temperature == 1e30 and isinstance(SamplingParams(1).temperature, float)
     with pytest.raises(SpdConfigError, match="temperature must be a finite number >= 0"):
