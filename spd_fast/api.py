@@ -18,7 +18,7 @@ from .ar import ArDecoder, check_capacity, check_context, check_eos_ids, check_m
 from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_layer_indices, check_lookup,
                      check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
-from .engine import SPDEngine
+from .engine import SPDEngine, run_stepwise
 from .pdm import DraftConfig, DraftHead, load_draft, random_draft_head, read_draft_config
 from .runtime import Prompt, Target, is_token_ids, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator
@@ -238,23 +238,15 @@ class Engine:
             model.generations += 1
             mine = model.generations
             steps = self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn)
-        try:
-            while True:
-                with lock:
-                    if model.generations != mine:
-                        raise SpdConfigError(
-                            "another generate() or stream() ran on this engine (or on another Engine sharing its "
-                            "loaded model) while this stream was open and reused its KV cache, so this stream cannot "
-                            "go on; finish (or close) a stream before starting another generation on the same "
-                            "model, or load a second engine with spd_fast.load() for the other")
-                    try:
-                        t = next(steps)
-                    except StopIteration:
-                        return
-                yield t
-        finally:
-            with lock:
-                steps.close()
+
+        def still_mine() -> None:
+            if model.generations != mine:
+                raise SpdConfigError(
+                    "another generate() or stream() ran on this engine (or on another Engine sharing its loaded "
+                    "model) while this stream was open and reused its KV cache, so this stream cannot go on; "
+                    "finish (or close) a stream before starting another generation on the same model, or load a "
+                    "second engine with spd_fast.load() for the other")
+        yield from run_stepwise(steps, lambda: lock, still_mine)
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,

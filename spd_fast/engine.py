@@ -80,6 +80,25 @@ def metrics_from(cycles: int, verifications: int, accepts: int, committed: int, 
     }
 
 
+def run_stepwise(steps: Iterator[int], context: Callable[[], object],
+                 check: Callable[[], None] | None = None) -> Iterator[int]:
+    """Yield from the generator `steps` with `context()` entered around each step, and around its close, but never
+    across a yield into the caller's code; `check()` runs inside the context before each step."""
+    try:
+        while True:
+            with context():
+                if check is not None:
+                    check()
+                try:
+                    t = next(steps)
+                except StopIteration:
+                    return
+            yield t
+    finally:
+        with context():
+            steps.close()
+
+
 class Committer:
     """Hands out committed tokens in order (positions first_pos, first_pos + 1, ...), stopping at the
     first EOS or at max_new_tokens; `committed` counts the prefill token too."""

@@ -34,7 +34,7 @@ import torch
 
 from .ar import check_capacity, check_prompt_ids
 from .config import SpdConfigError
-from .engine import Committer, PipelineState, SPDEngine, metrics_from
+from .engine import Committer, PipelineState, SPDEngine, metrics_from, run_stepwise
 from . import ops
 from .ops import verify_greedy, verify_sampling
 from .profiling import nvtx_range
@@ -109,17 +109,7 @@ def on_device(steps: Iterator[int], device: torch.device) -> Iterator[int]:
             stack.enter_context(torch.cuda.device(device))
         stack.enter_context(torch.inference_mode())
         return stack
-    try:
-        while True:
-            with ctx():
-                try:
-                    t = next(steps)
-                except StopIteration:
-                    return
-            yield t
-    finally:
-        with ctx():
-            steps.close()
+    return run_stepwise(steps, ctx)
 
 
 def place_stages(engine: SPDEngine, devices: Sequence[torch.device]) -> None:
