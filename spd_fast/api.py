@@ -325,7 +325,8 @@ class Engine:
         stops = check_stop(stop)
         _check_single(prompt)
         ids = self.target.encode(prompt)
-        self._check_fits(ids, max_new_tokens, method)
+        with decode_lock(self.target.model):  # it may resize the caches another thread is decoding on
+            self._check_fits(ids, max_new_tokens, method)
         return self._stream(ids, max_new_tokens, params, method, eos,
                             StopStrings(self.target.decode, stops) if stops else None)
 

@@ -167,7 +167,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             raise CheckpointError(f"cannot dequantise {t.name} ({t.tensor_type.name}) from {path}: {e}; re-save the "
                                   f"file with F32, F16 or a common quantisation (Q8_0, Q4_K)") from e
         arr = arr.reshape(tuple(int(x) for x in reversed(t.shape)))
-        # llama.cpp permutes the rows of Q and K, their biases included (a llama GGUF with attention biases)
+        # llama.cpp permutes the rows of Q and K, their biases included (read right here, though loading then
+        # refuses a llama model with attention biases: config.from_hf_dict)
         if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                                            "k_proj.bias")):
             n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]

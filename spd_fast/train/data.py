@@ -127,6 +127,7 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     out_path = Path(out_path)
     meta_path = out_path.with_name(out_path.name + ".meta.json")
     meta = {"fingerprint": target.fingerprint, "model_identity": model_identity(target.model),
+            "dtype": str(target.model.embed.weight.dtype).removeprefix("torch."),  # part of the identity, named
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
     if out_path.is_file():
         _drop_partial_line(out_path)
@@ -143,7 +144,7 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
                                  f"delete both files to make new answers, or use another --out") from None
         # a sidecar written before model_identity existed is checked on the rest (its sampled fingerprint)
         diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items()
-                if old.get(k) != v and not (k == "model_identity" and k not in old)]
+                if old.get(k) != v and not (k in ("model_identity", "dtype") and k not in old)]
         if diff:
             raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
                                  f"(and {meta_path.name}) to make new ones, or use another --out")
