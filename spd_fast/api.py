@@ -427,7 +427,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          boundaries: Sequence[int] | None = None, anchors: Sequence[int] | None = None, draft_layers: int | None = None,
          dtype: str | torch.dtype = "float32", device: str = "cpu", max_len: int = 2048, seed: int = 0,
          progress: bool = True, placement: str = "local", cuda_graphs: bool | None = None,
-         lookup: int = DEFAULT_LOOKUP) -> Engine:
+         lookup: int = DEFAULT_LOOKUP, _target: Target | None = None) -> Engine:
     """Load a target and a draft head. draft: a head directory, None (the head shipped for this model
     and n, run at `boundaries` with a warning if they differ from its own; else a random head with a
     warning), or "random" (a seeded random head of the right shape).
@@ -467,7 +467,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             model=model, draft=draft, num_stages=num_stages, boundaries=boundaries, anchors=anchors,
             draft_layers=draft_layers, dtype=dtype, device=device, max_len=max_len, seed=seed, progress=progress,
             lookup=lookup)
-    target = load_target(model, parse_dtype(dtype), device, progress=progress)
+    # _target: generate()'s engine cache hands in the target it already loaded for the same model, dtype and device
+    target = _target if _target is not None else load_target(model, parse_dtype(dtype), device, progress=progress)
     L = target.cfg.num_layers
     if boundaries is not None:
         b = validate_boundaries(boundaries, L)
@@ -539,6 +540,11 @@ def _cache_key(kw: dict[str, Any]) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in norm.items()))
 
 
+def _target_key(key: tuple) -> tuple:
+    """The part of an engine-cache key that makes the loaded target: the model, its dtype and device."""
+    return tuple(kv for kv in key if kv[0] in ("model", "dtype", "device"))
+
+
 def _cached_engine(method: str = "spd", **kw: Any) -> Engine:
     """One engine per set of settings, the last one kept. A RandomHeadWarning is held back while the engine
     only runs method="ar", which never drafts, and given at its first SPD call."""
@@ -554,11 +560,16 @@ def _cached_engine_locked(method: str, **kw: Any) -> Engine:
     kw["num_stages"] = _default_num_stages(kw.get("num_stages"), kw.get("draft"), kw.get("placement"))
     key = _cache_key(kw)
     if key not in _ENGINES:
+        # another engine setting (max_len, lookup, n, draft, placement) on the same model, dtype and device: the
+        # loaded target is kept (an engine is cheap beside loading the model)
+        old_key, old = next(iter(_ENGINES.items()), (None, None))
+        reuse = old.target if (isinstance(old, Engine) and kw["placement"] != "distributed"
+                               and _target_key(old_key) == _target_key(key)) else None
         _ENGINES.clear()  # keep one model in memory
         _DEFERRED.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            eng = load(**kw)
+            eng = load(**kw, _target=reuse)
         for w in caught:  # before the engine is kept: a warning the caller's filters make an error keeps nothing
             if not issubclass(w.category, RandomHeadWarning):
                 _reissue(w)

@@ -1269,3 +1269,25 @@ def test_generate_from_several_threads_runs_the_calls_one_after_the_other(tiny_c
     a.join()
     assert not errors and got == want[:1], (errors, got)
     assert "".join(s) == eng.target.decode(other.generate(prompts[1], max_new_tokens=4, method=method).token_ids)
+
+
+def test_other_engine_settings_reuse_the_loaded_target(tiny_checkpoint, monkeypatch):
+    """generate() with another max_len, lookup or n on the same model, dtype and device builds a new engine on the
+    target it already loaded (loading the model is what costs); another dtype loads again. Outputs are those
+    of an engine loaded afresh."""
+    import spd_fast.api as api
+
+    path = tiny_checkpoint("llama")
+    loaded = []
+    real = api.load_target
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: loaded.append(a[1:3]) or real(*a, **k))
+    monkeypatch.setattr(api, "_ENGINES", {})
+    monkeypatch.setattr(api, "_DEFERRED", {})
+    calls = [dict(max_len=64), dict(max_len=96), dict(max_len=96, lookup=0), dict(max_len=96, num_stages=2)]
+    outs = [spd_fast.generate([1, 2, 3], max_new_tokens=12, model=path, draft="random", **c).token_ids for c in calls]
+    assert len(loaded) == 1
+    spd_fast.generate([1, 2, 3], max_new_tokens=4, model=path, draft="random", dtype="bfloat16")
+    assert len(loaded) == 2 and loaded[-1][0] == torch.bfloat16
+    for c, got in zip(calls, outs):
+        fresh = spd_fast.load(model=path, draft="random", **c)
+        assert fresh.generate([1, 2, 3], max_new_tokens=12).token_ids == got, c
