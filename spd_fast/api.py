@@ -563,8 +563,9 @@ def _cached_engine_locked(method: str, **kw: Any) -> Engine:
         # another engine setting (max_len, lookup, n, draft, placement) on the same model, dtype and device: the
         # loaded target is kept (an engine is cheap beside loading the model)
         old_key, old = next(iter(_ENGINES.items()), (None, None))
-        reuse = old.target if (isinstance(old, Engine) and kw["placement"] != "distributed"
-                               and _target_key(old_key) == _target_key(key)) else None
+        # (not across placement="devices", which moves the stages' layers to their GPUs, or "distributed")
+        reuse = old.target if (isinstance(old, Engine) and _target_key(old_key) == _target_key(key)
+                               and {old.placement, kw["placement"]}.isdisjoint({"devices", "distributed"})) else None
         _ENGINES.clear()  # keep one model in memory
         _DEFERRED.clear()
         with warnings.catch_warnings(record=True) as caught:

@@ -1291,3 +1291,8 @@ def test_other_engine_settings_reuse_the_loaded_target(tiny_checkpoint, monkeypa
     for c, got in zip(calls, outs):
         fresh = spd_fast.load(model=path, draft="random", **c)
         assert fresh.generate([1, 2, 3], max_new_tokens=12).token_ids == got, c
+    # placement="devices" moves the stages' layers to their GPUs: its target is never handed to another engine
+    eng = next(iter(api._ENGINES.values()))
+    eng.placement = "devices"
+    spd_fast.generate([1, 2, 3], max_new_tokens=4, model=path, draft="random", dtype="bfloat16", max_len=80)
+    assert len(loaded) == 3
