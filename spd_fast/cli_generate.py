@@ -54,8 +54,9 @@ def _prompt(args: argparse.Namespace) -> Any:
 
 
 def summary_line(m: dict[str, float], method: str, num_stages: int, draft: str, finish_reason: str) -> str:
-    line = (f"-- {int(m['new_tokens'])} tokens (finish_reason={finish_reason}), "
-            f"{m['tokens_per_second']:.1f} tok/s decode")
+    speed = (f"{m['tokens_per_second']:.1f} tok/s decode" if m["new_tokens"] > 1
+             else "no decode step (the one token came from the prefill)")  # not "0.0 tok/s"
+    line = f"-- {int(m['new_tokens'])} tokens (finish_reason={finish_reason}), {speed}"
     if method == "spd" and not m["verifications"]:  # the answer ended before any draft was verified
         line += f", no draft verified (n={num_stages}, draft {draft})"
     elif method == "spd":

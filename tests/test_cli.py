@@ -78,6 +78,10 @@ def test_generate_summary_names_the_finish_reason(capsys):
         assert json.loads(out)["finish_reason"] == reason
     rc, _, err = run_cli(base + ["--method", "ar", "--max-new-tokens", "3"], capsys)
     assert rc == 0 and err.strip().splitlines()[-1].startswith("-- 3 tokens (finish_reason=length), "), err
+    for method in ("spd", "ar"):  # one token: no decode step to time (it used to say "0.0 tok/s decode")
+        rc, _, err = run_cli(base[:3] + ["1", "--threads", "1", "--method", method], capsys)
+        assert rc == 0 and err.strip().splitlines()[-1].startswith(
+            "-- 1 tokens (finish_reason=length), no decode step (the one token came from the prefill)"), err
 
 
 def test_cli_doc_shows_generate_output_as_it_is(capsys):
