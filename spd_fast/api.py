@@ -21,7 +21,7 @@ from .drafters import PdmDrafter
 from .engine import SPDEngine, run_stepwise
 from .pdm import DraftConfig, DraftHead, load_draft, random_draft_head, read_draft_config
 from .runtime import Prompt, Target, is_token_ids, load_target, parse_device, parse_dtype
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, plain_number
 
 HEADS_DIR = Path(__file__).parent / "heads"
 DEFAULT_NUM_STAGES = 3
@@ -75,11 +75,7 @@ def _plain_numbers(fn):
         if "sampling_params" in sig.parameters:
             _take_sampling_params(bound)
         for k, v in bound.arguments.items():
-            if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real):
-                continue
-            if type(v).__name__.startswith("bool"):  # numpy.bool_: a flag, not a count; leave it to the checks
-                continue
-            bound.arguments[k] = int(v) if isinstance(v, numbers.Integral) else float(v)
+            bound.arguments[k] = plain_number(v)
         return fn(*bound.args, **bound.kwargs)
 
     return wrapper
@@ -182,20 +178,6 @@ def shipped_head(target: Target, num_stages: int) -> Path | None:
     return None
 
 
-_LOCKS_GUARD = threading.Lock()
-
-
-def decode_lock(model: torch.nn.Module) -> threading.RLock:
-    """The lock of a loaded model's caches (one KV cache, one PDM cache per engine): generate() holds it for the
-    whole call, so calls from several threads run one after the other instead of writing into each other's
-    caches; a stream holds it while it computes each token, not while the caller has it."""
-    with _LOCKS_GUARD:
-        lock = model.__dict__.get("_spd_decode_lock")
-        if lock is None:
-            lock = model.__dict__["_spd_decode_lock"] = threading.RLock()
-        return lock
-
-
 class Engine:
     """A loaded target model plus a draft head for one pipeline shape; reusable across calls."""
 
@@ -232,7 +214,7 @@ class Engine:
         target, would otherwise continue from the other's state. The count lives on the model, which
         owns the caches."""
         model = self.target.model
-        lock = decode_lock(model)  # held while the decoder runs, never across a yield into the caller's code
+        lock = model.decode_lock  # held while the decoder runs, never across a yield into the caller's code
         with lock:
             self._own_caches()  # another user of the model may have resized them since the call's capacity check
             model.generations += 1
@@ -283,7 +265,7 @@ class Engine:
         """eos_ids: stop tokens besides the model's own (e.g. a chat format's end-of-turn id). stop: strings that
         end the answer when its text contains one (the text is cut before it, as vLLM does). sampling_params: a
         SamplingParams in place of temperature, top_k, top_p and seed."""
-        with decode_lock(self.target.model):  # calls from several threads run one after the other
+        with self.target.model.decode_lock:  # calls from several threads run one after the other
             return self._generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids, stop)
 
     def _generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int, temperature: float, top_k: int,
@@ -325,7 +307,7 @@ class Engine:
         stops = check_stop(stop)
         _check_single(prompt)
         ids = self.target.encode(prompt)
-        with decode_lock(self.target.model):  # it may resize the caches another thread is decoding on
+        with self.target.model.decode_lock:  # it may resize the caches another thread is decoding on
             self._check_fits(ids, max_new_tokens, method)
         return self._stream(ids, max_new_tokens, params, method, eos,
                             StopStrings(self.target.decode, stops) if stops else None)
@@ -545,14 +527,14 @@ def _target_key(key: tuple) -> tuple:
     return tuple(kv for kv in key if kv[0] in ("model", "dtype", "device"))
 
 
+_ENGINES_LOCK = threading.Lock()  # threads asking for an engine at once load one, not one each
+
+
 def _cached_engine(method: str = "spd", **kw: Any) -> Engine:
     """One engine per set of settings, the last one kept. A RandomHeadWarning is held back while the engine
     only runs method="ar", which never drafts, and given at its first SPD call."""
-    with _ENGINES_LOCK:  # threads asking at once load one engine, not one each
+    with _ENGINES_LOCK:
         return _cached_engine_locked(method, **kw)
-
-
-_ENGINES_LOCK = threading.RLock()
 
 
 def _cached_engine_locked(method: str, **kw: Any) -> Engine:

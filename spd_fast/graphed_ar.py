@@ -96,15 +96,15 @@ class GraphedAR:
         check_prompt_ids(prompt_ids, m.cfg.vocab_size)
         eos = set(int(e) for e in eos_ids)
         P = len(prompt_ids)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            with nvtx_range("ar.prefill"):
-                first = next_token(prefill(m, prompt_ids), params, generator)
-            self.tok.copy_(first.view(1, 1))
-            self.pos.fill_(P)
-            self._prepare(params, generator)  # after tok and pos: its warm-up starts from the real state
-            self.tokens[P] = first  # after: _prepare may allocate tokens anew
-            t1 = time.perf_counter()
+        # (in inference mode through on_device, which leaves it at each yield)
+        t0 = time.perf_counter()
+        with nvtx_range("ar.prefill"):
+            first = next_token(prefill(m, prompt_ids), params, generator)
+        self.tok.copy_(first.view(1, 1))
+        self.pos.fill_(P)
+        self._prepare(params, generator)  # after tok and pos: its warm-up starts from the real state
+        self.tokens[P] = first  # after: _prepare may allocate tokens anew
+        t1 = time.perf_counter()
         out = [int(first)]
         self.result = DecodeResult(out, t1 - t0, 0.0, out[0] in eos, {})
         yield out[0]
@@ -114,7 +114,6 @@ class GraphedAR:
         reader = Readback(self.tokens, [self.pos])
         com = Committer(P + 1, eos, max_new_tokens, stop_fn)
         t_dec = time.perf_counter()
-        # (in inference mode through on_device, which leaves it at each yield)
         for toks, (pos,) in run_ahead(self._one_step(params, generator), reader, self.lag,
                                       lambda unread: com.committed + unread < max_new_tokens, "ar.readback",
                                       max_launches=max_new_tokens + self.lag + 1):

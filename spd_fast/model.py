@@ -11,6 +11,7 @@ slots for the same token (same numerics, token-identical greedy output).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +240,8 @@ class Transformer(nn.Module):
         # generations started on these caches (by any Engine on this model), and reallocations, which end the
         # generation in progress: an open stream refuses to go on once this moved
         self.generations = 0
+        # held by whoever decodes on these caches: generate() for its whole call, a stream while it computes a step
+        self.decode_lock = threading.RLock()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 

@@ -256,11 +256,9 @@ def maybe_attach(model: torch.nn.Module, model_dir: Path, warn_dtype: bool = Tru
 
     if not cpp_ops.available():
         return 0
-    from .store import _gguf_key
+    from .store import gguf_hash
 
-    # the blocks must be those the fp32 weights came from; the key's hash part only (its name part is the stem of
-    # the path the conversion was asked with, a symlink's own name for a hub download)
-    if str(meta.get("source_key", "")).rsplit("-", 1)[-1] != _gguf_key(source).rsplit("-", 1)[-1]:
+    if meta.get("source_hash") != gguf_hash(source):  # the blocks must be those the fp32 weights came from
         warnings.warn(f"{source} is not the file {model_dir} was converted from (it changed since, or the marker "
                       f"predates the check): its packed blocks are not used, so decode runs on the fp32 weights, "
                       f"more slowly; load the .gguf file itself to convert it again", stacklevel=2)

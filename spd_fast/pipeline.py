@@ -24,7 +24,6 @@ Tokens are only ever taken up to the verified position, and never past an EOS.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from collections import deque
 from dataclasses import replace
@@ -34,8 +33,8 @@ import torch
 
 from .ar import check_capacity, check_prompt_ids
 from .config import SpdConfigError
-from .engine import Committer, PipelineState, SPDEngine, metrics_from, run_stepwise
 from . import ops
+from .engine import Committer, PipelineState, SPDEngine, metrics_from, run_stepwise
 from .ops import verify_greedy, verify_sampling
 from .profiling import nvtx_range
 from .sampling import SamplingParams
@@ -399,8 +398,9 @@ class PipelinedEngine:
         t0 = time.perf_counter()
         with nvtx_range("spd.prefill"):
             st0, first = e.start(prompt_ids, params, generator)
-        with torch.inference_mode():  # a capture under autograd would record the head's grad-mode weight rebuilds
-            cyc = self._static(st0, params, generator)
+        # (all of it in inference mode through on_device: a capture under autograd would record the head's
+        # grad-mode weight rebuilds)
+        cyc = self._static(st0, params, generator)
         st = cyc.st
         t1 = time.perf_counter()
         P = st.prompt_len
@@ -417,7 +417,6 @@ class PipelinedEngine:
 
         def metrics(committed: int) -> None:
             self.last_metrics = metrics_from(*counters, committed, e.n, time.perf_counter() - t_dec, t1 - t0)
-        # (in inference mode through on_device, which leaves it at each yield)
         # each cycle commits at most one token: never launch more than could still be needed
         # a cycle commits a token at least every n + 1 cycles (a reject refills n stages), so a decode that
         # needs more cycles than that for max_new_tokens is stuck (e.g. a graph that replays nothing)

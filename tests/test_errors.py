@@ -5,6 +5,7 @@ import contextlib
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -1192,30 +1193,28 @@ def test_packed_blocks_of_a_changed_gguf_are_not_attached(tmp_path, tiny_checkpo
     from spd_fast import packed, store
 
     monkeypatch.delenv("SPD_FAST_PACKED", raising=False)  # on, as by default
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
     _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, seed=0)
-    d = tmp_path / "conv"
-    shutil.copytree(tiny_checkpoint("llama"), d)
+    (tmp_path / "link.gguf").symlink_to(tmp_path / "m.gguf")  # as hub downloads are: a symlink of another name
+    d = store.convert_gguf(tmp_path / "link.gguf", progress=False, tokenizer_from=Path(tiny_checkpoint("llama")))
     m = load_hf_dir(d)
 
-    def attach_warnings(key: str) -> list[str]:
-        (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "m.gguf"), "source_key": key}))
+    def attach_warnings(marker: dict | None = None) -> list[str]:
+        if marker is not None:
+            (d / "spd_fast_converted.json").write_text(json.dumps(marker))
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            assert packed.maybe_attach(m, d) == 0  # (an all-F32 file has no blocks to attach anyway)
+            assert packed.maybe_attach(m, d, warn_dtype=False) == 0  # (an all-F32 file has no blocks to attach)
         return [str(x.message) for x in w if "converted from" in str(x.message)]
-    assert attach_warnings(store._gguf_key(tmp_path / "m.gguf")) == []
-    (tmp_path / "link.gguf").symlink_to(tmp_path / "m.gguf")  # a hub download: a symlink of another name
-    assert attach_warnings(store._gguf_key(tmp_path / "link.gguf")) == []
-    (msg,) = attach_warnings("m-000000000000")
-    assert re.search(r"m.gguf is not the file .*conv was converted from \(it changed since, or the marker predates "
+    assert attach_warnings() == []  # the marker convert_gguf wrote, through the symlink
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, seed=1)  # the file rewritten in place
+    (msg,) = attach_warnings()
+    assert re.search(r"m.gguf is not the file .* was converted from \(it changed since, or the marker predates "
                      r"the check\): its packed blocks are not used.*load the .gguf file itself to convert it again",
                      msg), msg
+    assert len(attach_warnings({"source": str(tmp_path / "m.gguf")})) == 1  # a marker from before the check
     m.to(torch.bfloat16)  # no packed decode to lose: no such warning
-    (d / "spd_fast_converted.json").write_text(json.dumps({"source": str(tmp_path / "m.gguf"), "source_key": "x-0"}))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        assert packed.maybe_attach(m, d, warn_dtype=False) == 0
-    assert not [x for x in w if "converted from" in str(x.message)]
+    assert attach_warnings() == []
 
 
 @pytest.mark.parametrize("method", ["spd", "ar"])
