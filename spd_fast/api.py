@@ -98,6 +98,9 @@ def check_stop(stop: Any, placement: str = "local") -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) and x for x in items):
         raise SpdConfigError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    if any("\ufffd" in x for x in items):  # the decoded text shows half a character as U+FFFD: no match would be real
+        raise SpdConfigError(f"stop string {next(x for x in items if chr(0xfffd) in x)!r} holds U+FFFD, the replacement "
+                             f"character, which the decoded text shows for an incomplete character; drop it")
     if items and placement == "distributed":
         raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, or use "
                              "another placement")
@@ -395,6 +398,15 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
             return [prompt], True
         if all(isinstance(p, (str, list, tuple)) for p in prompt):
             return list(prompt), False
+        odd = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, (str, list, tuple, dict))]
+        if odd and all(isinstance(t, numbers.Number) or hasattr(t, "item") for _, t in odd) and \
+                any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for _, t in odd):
+            i, t = next((i, t) for i, t in odd if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise SpdConfigError(f"a prompt of token ids holds integers; item {i} is {t!r} ({type(t).__name__}); "
+                                 f"pass Python ints (a tensor or array of ids: prompt.tolist())")
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        raise SpdConfigError(f"prompt must be a str, a list of chat messages or a list of token ids, not a "
+                             f"{type(prompt).__name__}; pass token ids as a list: prompt.tolist()")
     raise SpdConfigError(
         f"prompt must be a str, a list of {{'role', 'content'}} dicts, a list of token ids, or a list of those; got "
         f"{type(prompt).__name__}" + (" mixing token ids with other items" if isinstance(prompt, (list, tuple))

@@ -46,6 +46,8 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int,
 def check_eos_ids(eos_ids: Sequence[int], vocab_size: int | None) -> tuple[int, ...]:
     """Extra stop tokens must be token ids of the model (one it can never produce would silently never stop).
     vocab_size None (the model not loaded yet): only that they are integers >= 0."""
+    if eos_ids is None:  # like stop=None: no extra stop token
+        return ()
     if not isinstance(eos_ids, (list, tuple)):
         raise SpdConfigError(f"eos_ids must be a list of token ids, got {eos_ids!r}")
     out = []

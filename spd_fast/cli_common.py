@@ -123,9 +123,16 @@ def bounded_float(low: float, high: float | None = None) -> Callable[[str], floa
 non_negative_float = bounded_float(0.0)
 
 
-int_list = _list_of(positive_int, "2,3,5")
-layer_list = _list_of(non_negative_int, "0,10,20,30")  # stage boundaries, anchors
-float_list = _list_of(float, "0,0.7")
+def _each_once(parse: Callable[[str], list]) -> Callable[[str], list]:
+    """A list type whose repeated values count once (bench and eval would run and print the same rows again)."""
+    def parse_once(text: str) -> list:
+        return list(dict.fromkeys(parse(text)))
+    return parse_once
+
+
+int_list = _each_once(_list_of(positive_int, "2,3,5"))
+layer_list = _list_of(non_negative_int, "0,10,20,30")  # stage boundaries, anchors: a repeat is an error there
+float_list = _each_once(_list_of(float, "0,0.7"))
 
 
 # The Python API's spellings in the fixes errors suggest -> the command line's flags

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, SpdConfigError, check_layer_indices, validate_boundaries
+from .store import replace_durably
 from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
@@ -214,7 +215,17 @@ class DraftConfig:
         if d.get("format_version") != FORMAT_VERSION:
             raise DraftMismatchError(
                 f"draft head format version {d.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
+        for k in ("boundaries", "anchors"):  # a string would become a tuple of its characters
+            v = d[k]
+            if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise TypeError(f"{k} must be a non-empty list of layer indices (integers), got {v!r}")
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
+        b, a = d["boundaries"], d["anchors"]
+        if b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
+            raise TypeError(f"boundaries {list(b)} must start at 0 and strictly increase")
+        if a[0] != 0 or any(x >= y for x, y in zip(a, a[1:])) or a[-1] > b[-1]:
+            raise TypeError(f"anchors {list(a)} must start at 0, strictly increase and be <= {b[-1]} (the last "
+                            f"boundary)")
         if not isinstance(d.get("weights", WEIGHTS_FILE), str):
             raise TypeError(f"'weights' must be a file name, got {d['weights']!r}")
         if d.get("num_stages") != len(d["boundaries"]) - 1:
@@ -318,9 +329,9 @@ class DraftHead(nn.Module):
         # each file through a temporary name and a rename: a run killed mid-save leaves the previous head whole
         # (training rewrites OUT/head and OUT/best_head in place)
         save_file(sd, str(path / (WEIGHTS_FILE + ".tmp")))
-        (path / (WEIGHTS_FILE + ".tmp")).replace(path / WEIGHTS_FILE)
+        replace_durably(path / (WEIGHTS_FILE + ".tmp"), path / WEIGHTS_FILE)
         (path / "draft_config.json.tmp").write_text(replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
-        (path / "draft_config.json.tmp").replace(path / "draft_config.json")
+        replace_durably(path / "draft_config.json.tmp", path / "draft_config.json")
 
 
 def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:

@@ -21,6 +21,7 @@ import errno
 import json
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +36,20 @@ _UNSUPPORTED: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "tools": ([],), "response_format": ({"type": "text"},), "min_tokens": (0,), "ignore_eos": (False,)}
+
+
+def _asks_nothing(v: Any, neutral: tuple) -> bool:
+    """Whether a value of a field in _UNSUPPORTED asks for nothing: a number by its value (a client may send
+    `presence_penalty: 0.0`), but a bool only as a bool (True is not the 1 of `n`)."""
+    def same(x: Any) -> bool:
+        if isinstance(v, bool) or isinstance(x, bool):
+            return type(v) is type(x) and v == x
+        if isinstance(v, (int, float)) and isinstance(x, (int, float)):
+            return v == x
+        return type(v) is type(x) and v == x
+    return any(same(x) for x in neutral)
+
+
 MAX_BODY = 8 << 20  # bytes of one request body (a longer one is refused with 413 before it is read)
 # stop strings of one request: each committed token is checked against every one, over a window as long as the
 # longest, while the engine is held (OpenAI takes 4)
@@ -110,7 +125,7 @@ class SpdServer:
                                     f"{', '.join(sorted(_KNOWN - set(_UNSUPPORTED)))}", unknown[0])
         for key, neutral in _UNSUPPORTED.items():
             v = body.get(key)
-            if v is not None and not any(type(v) is type(x) and v == x for x in neutral):
+            if v is not None and not _asks_nothing(v, neutral):
                 raise RequestError(400, f"{key}={v!r} is not supported by spd_fast (one sequence, no "
                                         f"penalties or log-probabilities); leave {key} out", key)
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -118,6 +133,13 @@ class SpdServer:
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise RequestError(400, "stream_options must be an object like {\"include_usage\": true}, got "
                                     f"{body['stream_options']!r}", "stream_options")
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise RequestError(400, f"stream_options.include_usage must be true or false, got {usage!r}",
+                               "stream_options")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise RequestError(400, f"model must be a string, the served model's name ({self.model_name!r}), got "
+                                    f"{body['model']!r}", "model")
         if body.get("model") not in (None, self.model_name):
             raise RequestError(404, f"the model {body['model']!r} does not exist; this server serves "
                                     f"{self.model_name!r} (GET /v1/models)", "model")
@@ -311,7 +333,11 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 raise RequestError(413, f"the request body has {size} bytes, more than this server takes "
                                         f"({MAX_BODY}); send a shorter prompt")
-            return self.rfile.read(size) if size else b""
+            data = self.rfile.read(size) if size else b""
+            if len(data) < size:  # the client closed the connection before it sent the body it announced
+                self.close_connection = True
+                raise ClientGone
+            return data
 
         def _route(self) -> str:
             return self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -414,6 +440,13 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its answer (or its own body) was through is not a server error: no traceback
+        for it; anything else is reported as socketserver does."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone)):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Server6(_Server):

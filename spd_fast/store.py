@@ -28,6 +28,26 @@ class ModelNotFoundError(SpdConfigError):
     pass
 
 
+def replace_durably(tmp: str | Path, path: str | Path) -> None:
+    """Rename the finished file `tmp` to `path` so that `path` is afterwards either its old or its new content, also
+    when the machine stops (a VM ended, a power cut) rather than only the process: the data are flushed to the disk
+    before the rename, and the rename itself after it."""
+    tmp, path = Path(tmp), Path(path)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # a platform whose directories cannot be opened (Windows): the rename is as durable as it gets
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def cache_root() -> Path:
     # an empty SPD_FAST_CACHE is unset (Path("") would be the working directory)
     return Path(os.environ.get("SPD_FAST_CACHE") or Path.home() / ".cache" / "spd_fast")

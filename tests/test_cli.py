@@ -981,3 +981,12 @@ def test_report_skips_results_of_another_shape_with_a_note(tmp_path):
     assert "`cycle.json` is not what" in text and "a JSON list, not an object" in text
     assert "`bench.json` is not what" in text and "row 0 lacks n" in text
     assert "1.30x HF" in text  # the good file is still reported
+
+
+def test_bench_and_eval_lists_take_each_value_once():
+    """`-n 2,2` or `--temperatures 0,0` would run and print the same rows twice; stage boundaries keep a repeat
+    (their own check names it)."""
+    from spd_fast.cli_common import float_list, int_list, layer_list
+
+    assert int_list("3,2,3,2") == [3, 2] and float_list("0,0.7,0.0") == [0.0, 0.7]
+    assert layer_list("0,10,10,30") == [0, 10, 10, 30]

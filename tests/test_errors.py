@@ -481,8 +481,17 @@ def test_token_id_prompts(default_target, monkeypatch):
         eng.generate([ids[0], 49152], 4)
     with pytest.raises(SpdConfigError, match="a list of token ids, or a list of those; got list mixing token ids"):
         eng.generate([ids[0], "x"], 4)
-    with pytest.raises(SpdConfigError, match="a list of token ids, or a list of those"):
-        eng.generate([True, False], 4)
+    # ids of another type: named, with the fix
+    for bad, item in (([True, False], r"item 0 is True \(bool\)"), ([ids[0], 2.0], r"item 1 is 2\.0 \(float\)"),
+                      (list(torch.tensor(ids)), r"item 0 is tensor\(\d+\) \(Tensor\)")):
+        with pytest.raises(SpdConfigError, match=rf"a prompt of token ids holds integers; {item}; pass Python ints "
+                                                 r"\(a tensor or array of ids: prompt.tolist\(\)\)"):
+            eng.generate(bad, 4)
+    for whole in (torch.tensor(ids), np.array(ids)):
+        with pytest.raises(SpdConfigError, match=rf"not a {type(whole).__name__}; pass token ids as a list: "
+                                                 r"prompt.tolist\(\)"):
+            eng.generate(whole, 4)
+    assert eng.generate(ids, 6, eos_ids=None).token_ids == ref.token_ids  # like stop=None: no extra stop token
 
 
 def test_a_chat_template_that_raises_gives_a_clear_error(default_target):
@@ -733,6 +742,12 @@ def test_damaged_head_files_are_named(tiny_checkpoint, tmp_path):
         (broken("bytes", raw=b"\xff\xfe{}"), r"not a valid draft head config \(UnicodeDecodeError"),
         (broken("weights", {**cfg, "weights": 5}), r"'weights' must be a file name, got 5"),
         (broken("n", {**cfg, "num_stages": 3}), r"num_stages 3 disagrees with boundaries \[0, 3, 6\]"),
+        (broken("anchors", {**cfg, "anchors": "0,3,6"}), r"anchors must be a non-empty list of layer indices "
+                                                          r"\(integers\), got '0,3,6'"),
+        (broken("far", {**cfg, "anchors": [0, 5, 9]}), r"draft_config.json is not a valid draft head config .*anchors "
+                                                     r"\[0, 5, 9\] must start at 0, strictly increase and be <= 6"),
+        (broken("order", {**cfg, "boundaries": [0, 4, 3]}), r"boundaries \[0, 4, 3\] must start at 0 and strictly "
+                                                          r"increase"),
         (broken("frozen", {**cfg, "frozen_lm_head": "no"}), r"frozen_lm_head must be true or false, got 'no'"),
         (broken("hidden", {**cfg, "base_hidden_size": "64"}), r"base_hidden_size must be an integer, got '64'"),
         (broken("version", {**cfg, "format_version": "1"}), r"format version '1' is not supported \(expected 1\)"),
@@ -858,6 +873,10 @@ def test_stop_strings(default_target, method):
     assert not any(StopStrings(default_target.decode, ["\ufffd"])(i) for i in ids)
     for bad in ("", [""], 5, ["a", 3]):
         with pytest.raises(SpdConfigError, match="stop must be a non-empty string or a list of non-empty strings"):
+            eng.generate("Count:", 4, method=method, stop=bad)
+    for bad in ("\ufffd", ["x", "a\ufffd"]):  # a cut at the end of a length-limited answer would match half a character
+        with pytest.raises(SpdConfigError, match=r"stop string '\S*\ufffd' holds U\+FFFD, the replacement character, "
+                                                 r"which the decoded text shows for an incomplete character; drop it"):
             eng.generate("Count:", 4, method=method, stop=bad)
     with pytest.raises(SpdConfigError, match="placement='distributed' takes no stop strings; pass their tokens as "
                                              "eos_ids"):

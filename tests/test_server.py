@@ -242,6 +242,57 @@ def test_neutral_openai_values_token_id_batches_and_max_completion_tokens(served
     assert status == 200 and json.loads(text)["choices"][0]["text"] == eng.generate([1, 2, 3], 4).text
 
 
+def test_neutral_values_as_floats_are_taken_and_odd_types_refused(served):
+    eng, port, _ = served
+    floats = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0.0,
+              "top_logprobs": 0.0, "n": 1.0, "best_of": 1.0, "logprobs": 0}
+    status, _, text = request(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **floats})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2, text
+    for body, param, message in (
+            ({"n": True}, "n", "n=True is not supported by spd_fast"),
+            ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5 is not supported"),
+            ({"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options",
+             "stream_options.include_usage must be true or false, got 'false'"),
+            ({"model": ["smollm2"]}, "model", "model must be a string, the served model's name \\('smollm2'\\), "
+                                              "got \\['smollm2'\\]")):
+        status, _, text = request(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == param and re.search(message, err["message"]), text
+
+
+def test_a_client_gone_before_its_body_or_answer_is_not_a_server_error(served, capsys):
+    import socket
+    import sys
+
+    from spd_fast.server import ClientGone, _Server
+
+    _, port, _ = served
+    # a body shorter than its Content-Length, then the end of the stream: no answer to a truncated request
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + b'{"prompt": 5}')
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(4096) == b""
+    s.close()
+    # no traceback for a client that left; other errors are reported as socketserver does
+    srv = _Server.__new__(_Server)
+    for exc in (BrokenPipeError(), ConnectionResetError(), ClientGone()):
+        try:
+            raise exc
+        except Exception:
+            srv.handle_error(None, ("127.0.0.1", 1))
+    assert "Traceback" not in capsys.readouterr().err
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        old, sys.stderr = sys.stderr, __import__("io").StringIO()
+        try:
+            srv.handle_error(None, ("127.0.0.1", 1))
+            printed = sys.stderr.getvalue()
+        finally:
+            sys.stderr = old
+    assert "ValueError: boom" in printed
+
+
 def test_bodies_routes_and_methods_keep_the_connection_usable(served):
     _, port, _ = served
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

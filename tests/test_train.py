@@ -218,9 +218,33 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path, monkeypatch
     logs = []
     cfg2 = TrainConfig(steps=6, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
     train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg2, log=logs.append)
-    assert logs[0].startswith("resumed from") and "step 4" in logs[0]
+    # one JSON line marks the resume (readers drop the earlier lines past its step) and the schedule's new length
+    assert json.loads(logs[0]) == {"message": f"resumed from {tmp_path / 'run'} at step 4", "resumed_at": 4,
+                                   "steps": 6, "steps_before": 4}
     state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 6
+    assert state["step"] == 6 and state["teacher_dtype"] == "torch.float32"
+    # the rest of the recipe must match too; how often it logs and saves, and its weight decay, may change
+    for change, flag in (({"lr": 1e-3}, "--lr 0.0005 vs 0.001"), ({"warmup": 3}, "--warmup 1 vs 3"),
+                         ({"fill_aug": 0.9}, "--fill-aug 0.5 vs 0.9"), ({"bf16": True}, "--bf16 False vs True"),
+                         ({"argmax_weight": 0.5}, "--argmax-weight 0.0 vs 0.5"),
+                         ({"fill_after_miss": True}, "--fill-after-miss False vs True")):
+        other = dataclasses.replace(cfg2, steps=8, **change)
+        with pytest.raises(SpdConfigError, match=f"holds a run trained with other settings \\({flag}: saved vs "
+                                                 f"asked\\); a resume continues the run as it began: pass its own "
+                                                 f"values .* or --no-resume --init .*/head to fine-tune"):
+            train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=other,
+                  log=lambda s: None)
+    assert torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)["step"] == 6  # untouched
+    st = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    torch.save(dict(st, teacher_dtype="torch.bfloat16"), tmp_path / "run" / "trainer_state.pt")
+    with pytest.raises(SpdConfigError, match="other settings \\(--dtype bfloat16 vs float32: saved vs asked\\)"):
+        train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg2, log=lambda s: None)
+    torch.save(st, tmp_path / "run" / "trainer_state.pt")
+    logs.clear()
+    free = dataclasses.replace(cfg2, steps=7, save_every=1, log_every=1, weight_decay=0.1)
+    train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=free, log=logs.append)
+    assert json.loads(logs[0])["resumed_at"] == 6
+    assert torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)["step"] == 7
     # settings that decide the batches must match: another value would train the rest on another stream
     for change, flag in (({"max_seq_len": 32}, "--max-seq-len 64 vs 32"), ({"seed": 3}, "--seed 0 vs 3"),
                          ({"batch_tokens": 128}, "--batch-tokens 256 vs 128")):
@@ -229,6 +253,44 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path, monkeypatch
                                                  f".* or --no-resume --init .*/head to fine-tune its head"):
             train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=other,
                   log=lambda s: None)
+
+
+def test_a_validation_is_logged_before_it_counts_as_done(tiny_checkpoint, tmp_path, monkeypatch):
+    """last_val.json (which a resume reads to skip a validation) is written after the validation's log line: a run
+    stopped between the two validates again at resume, so the log never lacks a validation it took."""
+    from spd_fast.train import trainer as T
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data, held = _samples(m, 8), _samples(m, 3, seed=9)
+    cfg = TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, save_every=2, log_every=2, warmup=1)
+    real, logs = T._write_json, []
+
+    def stop_at_last_val(path, d):
+        if path.name == "last_val.json":
+            raise KeyboardInterrupt
+        real(path, d)
+
+    monkeypatch.setattr(T, "_write_json", stop_at_last_val)
+    with pytest.raises(KeyboardInterrupt):
+        train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, cfg=cfg, log=logs.append,
+              feature_cache=False, val_samples=held)
+    assert [json.loads(x)["step"] for x in logs if "val_top1" in x] == [2]
+
+
+def test_replace_durably_flushes_the_file_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    from spd_fast import store
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(store.os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(store.os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
+    (tmp_path / "f").write_text("old")
+    (tmp_path / "f.tmp").write_text("new")
+    store.replace_durably(tmp_path / "f.tmp", tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "new" and not (tmp_path / "f.tmp").exists()
+    assert events == ["fsync", "replace", "fsync"]  # the data, the rename, then the directory entry
 
 
 def test_a_head_can_share_another_heads_weights_file(tiny_checkpoint, tmp_path):
@@ -630,6 +692,11 @@ def test_feature_cache_gives_the_same_loss_as_the_live_teacher(tiny_checkpoint, 
     rebuilt = build_feature_cache(m, "tiny", data[:5], tmp_path / "fc", dcfg.anchors, 64, progress=False)
     assert rebuilt.root == other.root and torch.equal(rebuilt.get(4)[1], am)
     assert not list(other.root.glob("*.tmp"))
+    # a build killed between creating states.npy and argmax.npy: the next one starts that cache again
+    for f in ("argmax.npy", "done.npy", "meta.json"):
+        (other.root / f).unlink()
+    rebuilt = build_feature_cache(m, "tiny", data[:5], tmp_path / "fc", dcfg.anchors, 64, progress=False)
+    assert torch.equal(rebuilt.get(4)[1], am) and torch.equal(rebuilt.get(4)[0], st)
 
 
 def test_one_cache_per_source_reuses_the_old_sources(tiny_checkpoint, tmp_path):

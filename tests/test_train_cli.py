@@ -206,6 +206,10 @@ def test_a_time_budgeted_run_stays_finished_when_rerun(full_vocab_checkpoint, tm
     again = torch.load(tmp_path / "o" / "trainer_state.pt", weights_only=False)
     assert rc == 0 and f"resumed from {tmp_path / 'o'} at step {first['step']}" in err
     assert again["step"] == first["step"] == again["total_steps"]
+    # every line of the log is a JSON object, the sentences too (a resumed log is read like a fresh one)
+    lines = [json.loads(x) for x in (tmp_path / "o" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(x.get("resumed_at") == x.get("steps") == first["step"] for x in lines) == 1
+    assert any("already finished" in x.get("message", "") for x in lines)
 
 
 def test_self_distillation_answers_of_other_settings_are_not_reused(full_vocab_checkpoint, tmp_path, capsys):

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     def log(msg: str) -> None:
         if log_f is not None:
             print(msg, file=sys.stderr, flush=True)
-            log_f.write(msg + "\n")
+            # every line of the log is a JSON object: a sentence goes in as {"message": ...}
+            log_f.write((msg if msg.startswith("{") else json.dumps({"message": msg})) + "\n")
             log_f.flush()
 
     try:

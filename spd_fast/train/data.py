@@ -16,6 +16,7 @@ from ..config import SpdConfigError
 from ..progress import bar
 from ..runtime import Target, chat_ids, model_identity
 from ..sampling import SamplingParams
+from ..store import replace_durably
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 
@@ -150,7 +151,7 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
                                  f"(and {meta_path.name}) to make new ones, or use another --out")
     tmp = meta_path.with_name(meta_path.name + ".tmp")  # a kill mid-write must not leave a truncated file
     tmp.write_text(json.dumps(meta))
-    tmp.replace(meta_path)
+    replace_durably(tmp, meta_path)
     done = {r["id"]: r["prompt_ids"] for r in rows}
     encoded = {p["id"]: target.encode([{"role": "user", "content": p["prompt"]}]) for p in prompts}
     stale = [i for i, ids in encoded.items() if i in done and done[i] != ids]

@@ -28,6 +28,7 @@ import torch
 from ..config import SpdConfigError
 from ..model import Transformer
 from ..progress import bar
+from ..store import replace_durably
 from . import heap
 
 FORMAT_VERSION = 1
@@ -85,7 +86,7 @@ def _save_atomic(path: Path, arr: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         np.save(f, arr)
-    tmp.replace(path)
+    replace_durably(tmp, path)
 
 
 def _read_done(path: Path, count: int) -> np.ndarray | None:
@@ -124,7 +125,8 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
     done_before = _read_done(d / "done.npy", len(seqs))
     if (d / "meta.json").is_file() and done_before is not None and bool(done_before.all()):
         return FeatureCache(d)
-    fresh = not (d / "states.npy").is_file()
+    # both arrays or neither: a build stopped between creating the two starts again (done.npy cannot be ahead of them)
+    fresh = not ((d / "states.npy").is_file() and (d / "argmax.npy").is_file())
     _check_room(d, fresh, N * len(layers) * H * 2 + N * 4)
     states = np.lib.format.open_memmap(d / "states.npy", mode="w+" if fresh else "r+", dtype=np.float16,
                                        shape=(N, len(layers), H))
@@ -168,7 +170,7 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
                 heap.trim()
     tmp = d / "meta.json.tmp"
     tmp.write_text(json.dumps(meta))
-    tmp.replace(d / "meta.json")
+    replace_durably(tmp, d / "meta.json")
     _save_atomic(d / "done.npy", done)
     del states, argmax
     return FeatureCache(d)

@@ -29,6 +29,7 @@ from ..model import Transformer, apply_rope
 from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
 from ..progress import interactive
 from ..runtime import model_identity
+from ..store import replace_durably
 from . import heap
 from .mask import structured_mask
 
@@ -134,6 +135,7 @@ class PdmTrainer:
         self.rng = random.Random(cfg.seed)
         self.total_steps = cfg.steps    # the LR schedule's length; a time budget may shorten it
         self.budget_done = False        # a time budget has fitted total_steps (kept across a resume)
+        self.resumed_steps: int | None = None  # the saved run's --steps, after a resume
         self.train_seconds = 0.0        # wall clock spent in the training loop by this run, over all its resumes
         self.data_key: dict | None = None  # what `train` trains on (data_fingerprint): a resume on other data is refused
         self.dev = target.device
@@ -415,9 +417,10 @@ class PdmTrainer:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg),
                     "draft": json.loads(self.head.dcfg.to_json()), "total_steps": self.total_steps,
-                    "budget_done": self.budget_done, "data": self.data_key, "train_seconds": self.train_seconds},
+                    "budget_done": self.budget_done, "data": self.data_key, "train_seconds": self.train_seconds,
+                    "teacher_dtype": str(self.target.embed.weight.dtype)},
                    out / "trainer_state.pt.tmp")
-        (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
+        replace_durably(out / "trainer_state.pt.tmp", out / "trainer_state.pt")
 
     def resume(self, out: Path) -> bool:
         f = out / "trainer_state.pt"
@@ -446,6 +449,19 @@ class PdmTrainer:
                 f"{out} holds a run with other batches ({'; '.join(changed)}: saved vs asked); resuming would not "
                 f"continue on the batches it would have taken; pass the run's own values, or --no-resume (or another "
                 f"--out) to start over, or --no-resume --init {out}/head to fine-tune its head")
+        # the rest of the recipe: a resume that took new values would train the rest of the run otherwise than it
+        # began, and record only the new values (the saved ones are overwritten at the next checkpoint)
+        settled = [f"{_flag(k)} {old_cfg[k]} vs {v}" for k, v in asdict(self.cfg).items()
+                   if k in old_cfg and k not in RESUME_FREE and k not in RESUME_BATCH_FLAGS and old_cfg[k] != v]
+        mine_dtype = str(self.target.embed.weight.dtype)
+        if st.get("teacher_dtype", mine_dtype) != mine_dtype:  # absent in runs saved before it was recorded
+            settled.append(f"--dtype {st['teacher_dtype'].removeprefix('torch.')} vs {mine_dtype.removeprefix('torch.')}")
+        if settled:
+            raise SpdConfigError(
+                f"{out} holds a run trained with other settings ({'; '.join(settled)}: saved vs asked); a resume "
+                f"continues the run as it began: pass its own values (its trainer_state.pt records them), or "
+                f"--no-resume (or another --out) to start over, or --no-resume --init {out}/head to fine-tune its head "
+                f"with the new ones")
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
@@ -454,6 +470,7 @@ class PdmTrainer:
         except (RuntimeError, ValueError) as e:
             raise SpdConfigError(f"{out} holds a run whose head does not fit the one asked for ({str(e)[:200]}); "
                                  f"pass --no-resume (or another --out) to start over") from None
+        self.resumed_steps = old_cfg.get("steps")
         self.step = st["step"]  # the LR schedule follows this run's steps (a resume may extend a run)
         if old_cfg.get("steps") == self.cfg.steps and "total_steps" in st:
             # the same run asked again: keep the length a time budget fitted it to (it ended there)
@@ -558,6 +575,15 @@ def collate_cached(batch: list[dict], max_seq_len: int, cache
 
 # TrainConfig fields a resumed run must share with the saved one (they decide its batches) -> their flags
 RESUME_BATCH_FLAGS = {"max_seq_len": "--max-seq-len", "batch_tokens": "--batch-tokens", "seed": "--seed"}
+# TrainConfig fields a resume may change: the run's length (a larger --steps or --epochs extends it; its LR schedule
+# then decays over the new length), how often it logs and saves, its time budget, and its weight decay (set on the
+# optimizer's groups at resume). Every other field must match the saved run's (PdmTrainer.resume).
+RESUME_FREE = frozenset({"steps", "save_every", "log_every", "time_budget", "weight_decay"})
+
+
+def _flag(field: str) -> str:
+    """The command-line flag of a TrainConfig field."""
+    return "--" + field.replace("_", "-")
 # draft_config fields a resumed run must share with the saved one (the weights' shape and meaning)
 RESUME_KEYS = ("boundaries", "anchors", "num_layers", "draft_vocab_size", "base_fingerprint", "frozen_lm_head",
                "base_model_type", "base_hidden_size", "base_num_layers")
@@ -609,7 +635,7 @@ def _read_json(path: Path) -> dict | None:
 def _write_json(path: Path, d: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(d))
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def _rescore_best(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, key: dict, old: dict,
@@ -649,13 +675,14 @@ def _validate(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, log) 
     if improved:
         trainer.head.save(out / "best_head")
         _write_json(best_f, dict(v, step=trainer.step, val_data=key))
-    _write_json(out / "last_val.json", {"step": trainer.step})  # a resume scores a checkpoint this missed
     if not v["val_tokens"]:
         log(f"validation scored no row: no answer token of the {len(val_samples)} validation samples has its target "
             f"argmax in the {trainer.head.dcfg.draft_vocab_size}-token draft vocabulary (or inside --max-seq-len); "
             f"raise --draft-vocab or pass --val data like the training data")
     rounded = {k: ({b: round(y, 4) for b, y in x.items()} if isinstance(x, dict) else round(x, 4)) for k, x in v.items()}
     log(json.dumps({"step": trainer.step, **rounded, "best": improved}))
+    # after the log line: a run stopped between the two validates again at resume and logs it then
+    _write_json(out / "last_val.json", {"step": trainer.step})  # a resume scores a checkpoint this missed
 
 
 def epoch_steps(count, epochs: float) -> int:
@@ -761,7 +788,12 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     if not lead:
         log = _quiet
     if resume and trainer.resume(out):
-        log(f"resumed from {out} at step {trainer.step}")
+        # readers of the log drop the earlier lines past this step: the run took them again from its checkpoint
+        rec = {"message": f"resumed from {out} at step {trainer.step}", "resumed_at": trainer.step,
+               "steps": trainer.total_steps}
+        if trainer.resumed_steps not in (None, cfg.steps):
+            rec["steps_before"] = trainer.resumed_steps  # a longer run: the LR schedule now decays over the new length
+        log(json.dumps(rec))
         last_val = (_read_json(out / "last_val.json") or {}).get("step", -1)
         if lead and val_samples and last_val < trainer.step:  # the run stopped during this checkpoint's validation
             _validate(trainer, val_samples, out, log)
@@ -854,7 +886,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
                                  tok_s=f"{toks / (time.perf_counter() - t0):.0f}")
             # every log_every steps, and the run's first and last steps too: a run shorter than log_every shows its
             # loss. Each line is the mean over the steps since the last multiple of log_every (of this run).
-            if trainer.step % cfg.log_every == 0 or len(agg) == 1 or trainer.step >= trainer.total_steps:
+            if trainer.step % cfg.log_every == 0 or trainer.step == 1 or trainer.step >= trainer.total_steps:
                 k = agg[-min(trainer.step % cfg.log_every or cfg.log_every, len(agg)):]
                 # the lr the step just taken used (steps count from 1 in the log, from 0 in lr_at)
                 log(json.dumps({"step": trainer.step, "epoch": epoch, "lr": trainer.lr_at(trainer.step - 1),
