@@ -398,12 +398,21 @@ def _as_batch(prompt: Any) -> tuple[list[Prompt], bool]:
             return [prompt], True
         if all(isinstance(p, (str, list, tuple)) for p in prompt):
             return list(prompt), False
-        odd = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, (str, list, tuple, dict))]
-        if odd and all(isinstance(t, numbers.Number) or hasattr(t, "item") for _, t in odd) and \
-                any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for _, t in odd):
-            i, t = next((i, t) for i, t in odd if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-            raise SpdConfigError(f"a prompt of token ids holds integers; item {i} is {t!r} ({type(t).__name__}); "
-                                 f"pass Python ints (a tensor or array of ids: prompt.tolist())")
+        def scalar(t: Any) -> bool:  # a number, or a 0-d tensor or array (what list(tensor) holds)
+            return isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0
+
+        def not_id(t: Any) -> bool:
+            return not isinstance(t, numbers.Integral) or isinstance(t, bool)
+
+        if all(scalar(t) for t in prompt):  # meant as token ids, but not all of them ints
+            i, t = next((i, t) for i, t in enumerate(prompt) if not_id(t))
+            raise SpdConfigError(f"a prompt of token ids must hold Python ints; item {i} is {t!r} "
+                                 f"({type(t).__name__}); convert them (a tensor or array of ids: prompt.tolist())")
+        arrays = [(i, t) for i, t in enumerate(prompt) if getattr(t, "ndim", 0) >= 1 and hasattr(t, "tolist")]
+        if arrays and all(isinstance(t, (str, list, tuple)) or getattr(t, "ndim", 0) >= 1 for t in prompt):
+            i, t = arrays[0]
+            raise SpdConfigError(f"a list of prompts holds a {type(t).__name__} at item {i}; pass each prompt's token "
+                                 f"ids as a list: [p.tolist() for p in prompts]")
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
         raise SpdConfigError(f"prompt must be a str, a list of chat messages or a list of token ids, not a "
                              f"{type(prompt).__name__}; pass token ids as a list: prompt.tolist()")

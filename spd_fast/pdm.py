@@ -221,8 +221,11 @@ class DraftConfig:
                 raise TypeError(f"{k} must be a non-empty list of layer indices (integers), got {v!r}")
         d["boundaries"], d["anchors"] = tuple(d["boundaries"]), tuple(d["anchors"])
         b, a = d["boundaries"], d["anchors"]
-        if b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
-            raise TypeError(f"boundaries {list(b)} must start at 0 and strictly increase")
+        last = d.get("base_num_layers")
+        if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])) or \
+                (isinstance(last, int) and last > 0 and b[-1] != last):  # 0: a head saved without it
+            end = f" and end at {last} (base_num_layers)" if isinstance(last, int) and last > 0 else ""
+            raise TypeError(f"boundaries {list(b)} must start at 0, strictly increase{end}")
         if a[0] != 0 or any(x >= y for x, y in zip(a, a[1:])) or a[-1] > b[-1]:
             raise TypeError(f"anchors {list(a)} must start at 0, strictly increase and be <= {b[-1]} (the last "
                             f"boundary)")

@@ -413,7 +413,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                         try:
                             for ev in events:
                                 self._event(ev)
-                        except (BrokenPipeError, ConnectionResetError, socket.timeout):  # the client left or stalled
+                        except (ConnectionError, socket.timeout):  # the client left or stalled
                             raise
                         except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
                             status = 400 if isinstance(e, SpdConfigError) else 500
@@ -430,7 +430,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 self._error(e.status, _api_words(str(e)), e.param)
             except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
                 self._error(400, _api_words(str(e)))
-            except (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone):
+            except (ConnectionError, socket.timeout, ClientGone):  # the client left (or stalled a write)
                 self.close_connection = True
             except Exception as e:  # a bug: say so instead of dropping the connection
                 self._error(500, f"{type(e).__name__}: {e}")
@@ -444,7 +444,7 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that left before its answer (or its own body) was through is not a server error: no traceback
         for it; anything else is reported as socketserver does."""
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone)):
+        if isinstance(sys.exc_info()[1], (ConnectionError, ClientGone)):  # ConnectionError: reset, broken, aborted
             return
         super().handle_error(request, client_address)
 

@@ -30,8 +30,9 @@ class ModelNotFoundError(SpdConfigError):
 
 def replace_durably(tmp: str | Path, path: str | Path) -> None:
     """Rename the finished file `tmp` to `path` so that `path` is afterwards either its old or its new content, also
-    when the machine stops (a VM ended, a power cut) rather than only the process: the data are flushed to the disk
-    before the rename, and the rename itself after it."""
+    when the machine stops (a VM ended, a power cut) rather than only the process: the data are handed to the disk
+    (fsync) before the rename, and the rename itself after it. (macOS's fsync leaves the drive's own cache; Windows
+    cannot open a directory, so there the rename is not flushed.)"""
     tmp, path = Path(tmp), Path(path)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())

@@ -577,3 +577,28 @@ def test_distributed_cli_refuses_a_head_seed_for_a_trained_head(tmp_path, tiny_c
     assert job.procs[0].returncode == 2, job.stderr(0)[-2000:]
     assert "--seed-head seeds a random head, but this run uses " in job.stderr(0), job.stderr(0)[-2000:]
     assert job.procs[1].returncode == 0, job.stderr(1)[-2000:]
+
+
+def test_rank0_plan_names_a_malformed_draft_config(tiny_checkpoint, tmp_path):
+    """The distributed loader reads a head's config as spd_fast.load does: a bad one is a DraftMismatchError that
+    names the file, not a bare TypeError."""
+    import torch
+
+    from spd_fast.config import ModelConfig, SpdConfigError
+    from spd_fast.distributed.engine import _plan_on_rank0
+    from spd_fast.pdm import DraftConfig, DraftHead, init_from_target
+    from spd_fast.runtime import load_target
+
+    path = tiny_checkpoint("llama")
+    tg = load_target(path, progress=False)
+    head = tmp_path / "h"
+    init_from_target(DraftHead(DraftConfig.make(tg.model.cfg, (0, 3, 6), None, 1, 50, tg.fingerprint),
+                               tg.model.cfg, tg.model.norm), tg.model).save(head)
+    cfg = json.loads((head / "draft_config.json").read_text())
+    (head / "draft_config.json").write_text(json.dumps({**cfg, "anchors": "0,3,6"}))
+    with pytest.raises(SpdConfigError, match=r"h/draft_config.json is not a valid draft head config \(TypeError: "
+                                             r"anchors must be a non-empty list of layer indices"):
+        _plan_on_rank0(path, ModelConfig.from_dir(path), torch.float32, 2, None, None, str(head), None, 0)
+    with pytest.raises(SpdConfigError, match=r"is not a draft head checkpoint \(expected draft_config.json and "
+                                             r"draft.safetensors in it\)"):
+        _plan_on_rank0(path, ModelConfig.from_dir(path), torch.float32, 2, None, None, str(tmp_path), None, 0)

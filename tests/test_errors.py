@@ -484,9 +484,14 @@ def test_token_id_prompts(default_target, monkeypatch):
     # ids of another type: named, with the fix
     for bad, item in (([True, False], r"item 0 is True \(bool\)"), ([ids[0], 2.0], r"item 1 is 2\.0 \(float\)"),
                       (list(torch.tensor(ids)), r"item 0 is tensor\(\d+\) \(Tensor\)")):
-        with pytest.raises(SpdConfigError, match=rf"a prompt of token ids holds integers; {item}; pass Python ints "
-                                                 r"\(a tensor or array of ids: prompt.tolist\(\)\)"):
+        with pytest.raises(SpdConfigError, match=rf"a prompt of token ids must hold Python ints; {item}; convert "
+                                                 r"them \(a tensor or array of ids: prompt.tolist\(\)\)"):
             eng.generate(bad, 4)
+    with pytest.raises(SpdConfigError, match=r"a list of prompts holds a ndarray at item 1; pass each prompt's token "
+                                             r"ids as a list: \[p.tolist\(\) for p in prompts\]"):
+        eng.generate([ids, np.array(ids)], 4)
+    with pytest.raises(SpdConfigError, match="a list of token ids, or a list of those; got list"):  # chat + a number
+        eng.generate([{"role": "user", "content": "x"}, 1.5], 4)
     for whole in (torch.tensor(ids), np.array(ids)):
         with pytest.raises(SpdConfigError, match=rf"not a {type(whole).__name__}; pass token ids as a list: "
                                                  r"prompt.tolist\(\)"):
@@ -746,8 +751,10 @@ def test_damaged_head_files_are_named(tiny_checkpoint, tmp_path):
                                                           r"\(integers\), got '0,3,6'"),
         (broken("far", {**cfg, "anchors": [0, 5, 9]}), r"draft_config.json is not a valid draft head config .*anchors "
                                                      r"\[0, 5, 9\] must start at 0, strictly increase and be <= 6"),
-        (broken("order", {**cfg, "boundaries": [0, 4, 3]}), r"boundaries \[0, 4, 3\] must start at 0 and strictly "
-                                                          r"increase"),
+        (broken("order", {**cfg, "boundaries": [0, 4, 3]}), r"boundaries \[0, 4, 3\] must start at 0, strictly "
+                                                          r"increase and end at 6 \(base_num_layers\)"),
+        (broken("short", {**cfg, "boundaries": [0, 3, 5]}), r"boundaries \[0, 3, 5\] must start at 0, strictly "
+                                                          r"increase and end at 6"),
         (broken("frozen", {**cfg, "frozen_lm_head": "no"}), r"frozen_lm_head must be true or false, got 'no'"),
         (broken("hidden", {**cfg, "base_hidden_size": "64"}), r"base_hidden_size must be an integer, got '64'"),
         (broken("version", {**cfg, "format_version": "1"}), r"format version '1' is not supported \(expected 1\)"),

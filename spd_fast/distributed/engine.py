@@ -20,7 +20,7 @@ from ..api import _plain_numbers  # the api imports this package lazily: no cycl
 from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
                       check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
                       validate_num_stages)
-from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft
+from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
 from ..store import resolve_model_dir
@@ -66,10 +66,7 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
         dcfg = DraftConfig.make(cfg, b, anchors, draft_layers, draft_vocab_size, fingerprint=fp)
         source = "random"
     else:
-        cfile = Path(draft) / "draft_config.json"
-        if not cfile.is_file():
-            raise SpdConfigError(f"{draft} is not a draft head checkpoint (expected draft_config.json in it)")
-        dcfg = DraftConfig.from_json(cfile.read_text())
+        dcfg = read_draft_config(draft)  # a missing or malformed config: the same error as api.load's
         shipped = source.startswith("shipped:")  # as in api.load: the shipped head runs at any split of its n
         dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None and not shipped else None)
         dcfg.check_requested(anchors, draft_layers)

@@ -440,7 +440,7 @@ class PdmTrainer:
                 f"{old_data['sha256']}; now {self.data_key['samples']}, {self.data_key['sha256']}): resuming would "
                 f"train the rest of its schedule on these data; pass the run's own --data (same files, same "
                 f"order) and --max-seq-len (it decides which samples are kept), or --no-resume (or another --out) "
-                f"to start over, or --no-resume --init {out}/head to fine-tune its head on these data")
+                f"to start over, or another --out with --init {out}/head to fine-tune its head on these data")
         old_cfg = st.get("cfg", {})
         changed = [f"{flag} {old_cfg[k]} vs {getattr(self.cfg, k)}" for k, flag in RESUME_BATCH_FLAGS.items()
                    if k in old_cfg and old_cfg[k] != getattr(self.cfg, k)]
@@ -448,7 +448,7 @@ class PdmTrainer:
             raise SpdConfigError(
                 f"{out} holds a run with other batches ({'; '.join(changed)}: saved vs asked); resuming would not "
                 f"continue on the batches it would have taken; pass the run's own values, or --no-resume (or another "
-                f"--out) to start over, or --no-resume --init {out}/head to fine-tune its head")
+                f"--out) to start over, or another --out with --init {out}/head to fine-tune its head")
         # the rest of the recipe: a resume that took new values would train the rest of the run otherwise than it
         # began, and record only the new values (the saved ones are overwritten at the next checkpoint)
         settled = [f"{_flag(k)} {old_cfg[k]} vs {v}" for k, v in asdict(self.cfg).items()
@@ -460,7 +460,7 @@ class PdmTrainer:
             raise SpdConfigError(
                 f"{out} holds a run trained with other settings ({'; '.join(settled)}: saved vs asked); a resume "
                 f"continues the run as it began: pass its own values (its trainer_state.pt records them), or "
-                f"--no-resume (or another --out) to start over, or --no-resume --init {out}/head to fine-tune its head "
+                f"--no-resume (or another --out) to start over, or another --out with --init {out}/head to fine-tune its head "
                 f"with the new ones")
         try:
             self.head.load_state_dict(st["head"])
@@ -582,8 +582,8 @@ RESUME_FREE = frozenset({"steps", "save_every", "log_every", "time_budget", "wei
 
 
 def _flag(field: str) -> str:
-    """The command-line flag of a TrainConfig field."""
-    return "--" + field.replace("_", "-")
+    """The command-line flag of a TrainConfig field (its own name when the train command has none: grad_clip)."""
+    return field if field == "grad_clip" else "--" + field.replace("_", "-")
 # draft_config fields a resumed run must share with the saved one (the weights' shape and meaning)
 RESUME_KEYS = ("boundaries", "anchors", "num_layers", "draft_vocab_size", "base_fingerprint", "frozen_lm_head",
                "base_model_type", "base_hidden_size", "base_num_layers")
