@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, SpdConfigError, check_layer_indices, validate_boundaries
-from .store import replace_durably
+from .store import replace_durably, write_text_durably
 from .model import PACKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, attention_mask, rope_tables
 
 FORMAT_VERSION = 1
@@ -333,8 +333,7 @@ class DraftHead(nn.Module):
         # (training rewrites OUT/head and OUT/best_head in place)
         save_file(sd, str(path / (WEIGHTS_FILE + ".tmp")))
         replace_durably(path / (WEIGHTS_FILE + ".tmp"), path / WEIGHTS_FILE)
-        (path / "draft_config.json.tmp").write_text(replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
-        replace_durably(path / "draft_config.json.tmp", path / "draft_config.json")
+        write_text_durably(path / "draft_config.json", replace(self.dcfg, weights=WEIGHTS_FILE).to_json())
 
 
 def init_from_target(head: DraftHead, target, seed: int = 0) -> DraftHead:

@@ -49,6 +49,14 @@ def replace_durably(tmp: str | Path, path: str | Path) -> None:
         os.close(fd)
 
 
+def write_text_durably(path: str | Path, text: str) -> None:
+    """Write a small text file through `path`.tmp and `replace_durably`: a stop mid-write leaves the old file whole."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    replace_durably(tmp, path)
+
+
 def cache_root() -> Path:
     # an empty SPD_FAST_CACHE is unset (Path("") would be the working directory)
     return Path(os.environ.get("SPD_FAST_CACHE") or Path.home() / ".cache" / "spd_fast")

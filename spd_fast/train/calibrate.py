@@ -245,7 +245,7 @@ def write_scale(head_dir: str | Path, scale: float, lookup_gate: Sequence[float]
     """Set draft_temperature_scale (and, if given, the lookup gate and the copy boost, None for one-hot
     copies) in a head directory's draft_config.json."""
     from ..pdm import read_draft_config
-    from ..store import replace_durably
+    from ..store import write_text_durably
 
     dcfg = dataclasses.replace(read_draft_config(head_dir), draft_temperature_scale=float(scale))
     if lookup_gate is not None:
@@ -253,9 +253,7 @@ def write_scale(head_dir: str | Path, scale: float, lookup_gate: Sequence[float]
                                    lookup_gate_ratio=float(lookup_gate[1]))
     if copy_boost is not _KEEP:
         dcfg = dataclasses.replace(dcfg, lookup_copy_boost=None if copy_boost is None else float(copy_boost))
-    tmp = Path(head_dir) / "draft_config.json.tmp"  # a stop mid-write must not leave the head without its config
-    tmp.write_text(dcfg.to_json())
-    replace_durably(tmp, Path(head_dir) / "draft_config.json")
+    write_text_durably(Path(head_dir) / "draft_config.json", dcfg.to_json())  # never a head without its config
 
 
 def _floats(text: str) -> list[float]:

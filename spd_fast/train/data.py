@@ -16,7 +16,7 @@ from ..config import SpdConfigError
 from ..progress import bar
 from ..runtime import Target, chat_ids, model_identity
 from ..sampling import SamplingParams
-from ..store import replace_durably
+from ..store import write_text_durably
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 
@@ -149,9 +149,7 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
         if diff:
             raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
                                  f"(and {meta_path.name}) to make new ones, or use another --out")
-    tmp = meta_path.with_name(meta_path.name + ".tmp")  # a kill mid-write must not leave a truncated file
-    tmp.write_text(json.dumps(meta))
-    replace_durably(tmp, meta_path)
+    write_text_durably(meta_path, json.dumps(meta))  # a kill mid-write must not leave a truncated file
     done = {r["id"]: r["prompt_ids"] for r in rows}
     encoded = {p["id"]: target.encode([{"role": "user", "content": p["prompt"]}]) for p in prompts}
     stale = [i for i, ids in encoded.items() if i in done and done[i] != ids]

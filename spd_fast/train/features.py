@@ -28,7 +28,7 @@ import torch
 from ..config import SpdConfigError
 from ..model import Transformer
 from ..progress import bar
-from ..store import replace_durably
+from ..store import replace_durably, write_text_durably
 from . import heap
 
 FORMAT_VERSION = 1
@@ -168,9 +168,7 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
             _save_atomic(d / "done.npy", done)
             if model.device.type == "cpu":
                 heap.trim()
-    tmp = d / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta))
-    replace_durably(tmp, d / "meta.json")
+    write_text_durably(d / "meta.json", json.dumps(meta))
     _save_atomic(d / "done.npy", done)
     del states, argmax
     return FeatureCache(d)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -29,7 +28,7 @@ from ..model import Transformer, apply_rope
 from ..pdm import DraftConfig, DraftHead, init_from_target, set_draft_vocab
 from ..progress import interactive
 from ..runtime import model_identity
-from ..store import replace_durably
+from ..store import replace_durably, write_text_durably
 from . import heap
 from .mask import structured_mask
 
@@ -633,9 +632,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _write_json(path: Path, d: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(d))
-    replace_durably(tmp, path)
+    write_text_durably(path, json.dumps(d))
 
 
 def _rescore_best(trainer: PdmTrainer, val_samples: Sequence[dict], out: Path, key: dict, old: dict,
@@ -826,9 +823,10 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         tgt.free_caches()  # the teacher pass sized them for its largest batch (GBs); training reads the cache
         log(json.dumps({"feature_cache": str(cache.root), "seconds": round(time.perf_counter() - t_c, 1)}))
     if lead:
-        (out / "train_config.json").parent.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps({"train": asdict(cfg), "draft": json.loads(dcfg.to_json()),
-                                                            "samples": len(samples), "ranks": world}, indent=2))
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_durably(out / "train_config.json", json.dumps(
+            {"train": asdict(cfg), "draft": json.loads(dcfg.to_json()), "samples": len(samples), "ranks": world},
+            indent=2))
     if lead and val_samples and init is not None and trainer.step == 0:
         _validate(trainer, val_samples, out, log)  # the warm-start head: the score the fine-tune must beat
 
