@@ -249,6 +249,21 @@ class SpdServer:
             yield {**head, "choices": [], **self._usage(ids, len(eng.last_token_ids), eng.last_metrics)}
 
 
+class EngineFailure(Exception):
+    """The engine raised something other than a request's own error (a bug, a C++ build lock held too long). It
+    wraps the engine's exception because socket.timeout is TimeoutError: the server must not take an engine's
+    TimeoutError (or ConnectionError) for a client that stalled or left, and answer nothing."""
+
+
+def _engine_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (RequestError, SpdConfigError, ClientGone):
+        raise
+    except Exception as e:
+        raise EngineFailure(f"{type(e).__name__}: {e}") from e
+
+
 class ClientGone(Exception):
     """The client of a non-streamed request closed its connection before the answer was ready."""
 
@@ -402,7 +417,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                         from None
                 chat = routes[path]
                 if isinstance(body, dict) and body.get("stream") is True:
-                    events = server.stream(body, chat)
+                    events = _engine_call(server.stream, body, chat)
                     try:
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
@@ -410,27 +425,33 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                         self.send_header("Connection", "close")
                         self.end_headers()
                         self.close_connection = True
-                        try:
-                            for ev in events:
-                                self._event(ev)
-                        except (ConnectionError, socket.timeout):  # the client left or stalled
-                            raise
-                        except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
-                            status = 400 if isinstance(e, SpdConfigError) else 500
-                            message = _api_words(str(e)) if status == 400 else f"{type(e).__name__}: {e}"
-                            self._event({"error": {"message": message, "type": "internal_error" if status == 500
-                                                   else "invalid_request_error", "param": None, "code": status}})
+                        it = iter(events)
+                        while True:
+                            try:
+                                ev = next(it)
+                            except StopIteration:
+                                break
+                            except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
+                                status = 400 if isinstance(e, SpdConfigError) else 500
+                                message = _api_words(str(e)) if status == 400 else f"{type(e).__name__}: {e}"
+                                self._event({"error": {"message": message, "type": "internal_error" if status == 500
+                                                       else "invalid_request_error", "param": None, "code": status}})
+                                break
+                            self._event(ev)  # a client that left or stalled raises here, to the handlers below
                         self.wfile.write(b"data: [DONE]\n\n")
                         self.wfile.flush()
                     finally:
                         events.close()  # a client that left releases the engine at its next chunk
                     return
-                self._send(200, server.complete(body, chat, gone=lambda: client_gone(self.connection)))
+                self._send(200, _engine_call(server.complete, body, chat,
+                                             gone=lambda: client_gone(self.connection)))
             except RequestError as e:
                 self._error(e.status, _api_words(str(e)), e.param)
             except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
                 self._error(400, _api_words(str(e)))
-            except (ConnectionError, socket.timeout, ClientGone):  # the client left (or stalled a write)
+            except EngineFailure as e:  # before the socket errors: an engine's TimeoutError is not a stalled client
+                self._error(500, str(e))
+            except (ConnectionError, socket.timeout, ClientGone):  # the client left, or stalled its body or a read
                 self.close_connection = True
             except Exception as e:  # a bug: say so instead of dropping the connection
                 self._error(500, f"{type(e).__name__}: {e}")

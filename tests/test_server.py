@@ -293,6 +293,41 @@ def test_a_client_gone_before_its_body_or_answer_is_not_a_server_error(served, c
     assert "TimeoutError: boom" in printed
 
 
+@pytest.mark.parametrize("exc", [TimeoutError("the C++ build lock is held"), ConnectionError("a peer rank left"),
+                                 RuntimeError("boom")])
+@pytest.mark.parametrize("when", ["at the call", "after a piece"])
+def test_an_engine_failure_is_answered_not_taken_for_a_client_that_left(served, monkeypatch, exc, when):
+    # socket.timeout is TimeoutError: an engine's TimeoutError (or ConnectionError) once closed the connection
+    # without a word, as if the client had stalled or left
+    eng, port, _ = served
+
+    def failing(ids, **kw):
+        if when == "at the call":
+            raise exc
+
+        def pieces():
+            yield "Hello"
+            raise exc
+        return pieces()
+
+    monkeypatch.setattr(eng, "stream", failing)
+    want = f"{type(exc).__name__}: {exc}"
+    status, ctype, text = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+    err = json.loads(text)["error"]
+    assert (status, ctype) == (500, "application/json") and err["message"] == want and err["code"] == 500, text
+    status, _, text = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})
+    if when == "at the call":  # before the headers: a plain 500 reply
+        assert status == 500 and json.loads(text)["error"]["message"] == want, text
+    else:  # the headers are out: the pieces so far, then the error as an event, then [DONE]
+        evs = events(text)
+        assert status == 200 and evs[0]["choices"][0]["text"] == "Hello", text
+        assert evs[-1]["error"]["message"] == want and evs[-1]["error"]["code"] == 500, text
+    monkeypatch.undo()  # the engine was freed: the next request decodes
+    status, _, text = request(port, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3,
+                                                          "temperature": 0})
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == eng.generate([1, 2, 3], 3).text
+
+
 def test_bodies_routes_and_methods_keep_the_connection_usable(served):
     _, port, _ = served
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
