@@ -451,7 +451,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 self._error(400, _api_words(str(e)))
             except EngineFailure as e:  # before the socket errors: an engine's TimeoutError is not a stalled client
                 self._error(500, str(e))
-            except (ConnectionError, socket.timeout, ClientGone):  # the client left, or stalled (its body, or reading the answer)
+            except (ConnectionError, socket.timeout, ClientGone):  # the client left or stalled (its body, or our reply)
                 self.close_connection = True
             except Exception as e:  # a bug: say so instead of dropping the connection
                 self._error(500, f"{type(e).__name__}: {e}")
