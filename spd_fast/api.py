@@ -194,19 +194,23 @@ class Engine:
         # which head ran (its weights and calibration files), for result files: "random" for a random head
         self.draft_digest = getattr(head, "digest", "random") if head is not None else None
         self.placement = placement
-        target.model.setup_caches(1, max_len)
-        anchors = head.dcfg.anchors if head is not None else None
-        self.spd = SPDEngine(target.model, PdmDrafter(head, lookup), boundaries, anchors) if head is not None else None
         self.pipelined = None
         self.graphed_ar = None
         self._gen: torch.Generator | None = None
-        if placement in ("streams", "devices"):
-            from .graphed_ar import GraphedAR
-            from .pipeline import PipelinedEngine
+        # under the model's lock: a generate() in another thread on an engine sharing this loaded target (the
+        # cached one of other settings) would otherwise have its KV cache reallocated under it mid-decode
+        with target.model.decode_lock:
+            target.model.setup_caches(1, max_len)
+            anchors = head.dcfg.anchors if head is not None else None
+            self.spd = (SPDEngine(target.model, PdmDrafter(head, lookup), boundaries, anchors) if head is not None
+                        else None)
+            if placement in ("streams", "devices"):
+                from .graphed_ar import GraphedAR
+                from .pipeline import PipelinedEngine
 
-            if self.spd is not None:
-                self.pipelined = PipelinedEngine(self.spd, placement, cuda_graphs)
-            self.graphed_ar = GraphedAR(target.model, cuda_graphs if placement == "streams" else False)
+                if self.spd is not None:
+                    self.pipelined = PipelinedEngine(self.spd, placement, cuda_graphs)
+                self.graphed_ar = GraphedAR(target.model, cuda_graphs if placement == "streams" else False)
 
     # -- one prompt -------------------------------------------------------------------------------
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
@@ -489,7 +493,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         found = shipped_head(target, num_stages)
         if found is None:
             warnings.warn(f"no shipped draft head for this model at num_stages={num_stages}; using a random head "
-                          "(output is still exact, but few drafts will be accepted)", RandomHeadWarning, stacklevel=2)
+                          "(output is still exact, but few drafts will be accepted)", RandomHeadWarning,
+                          stacklevel=3)  # load() is wrapped (_plain_numbers): 3 is load()'s caller
             draft = "random"
         else:
             draft, source = found, f"shipped:{found.name}"
@@ -503,7 +508,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
                           b if boundaries is not None and not shipped else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
         if shipped:
-            head.dcfg = head.dcfg.at_split(b if boundaries is not None else None, Path(draft).name)
+            head.dcfg = head.dcfg.at_split(b if boundaries is not None else None, Path(draft).name, stacklevel=4)
         b = head.dcfg.boundaries
     from .packed import pack_draft
 
@@ -534,7 +539,9 @@ def _cache_key(kw: dict[str, Any]) -> tuple:
     "local", a relative and an absolute model path), so equivalent calls share the cached engine."""
     norm = dict(kw)
     norm["dtype"] = parse_dtype(kw["dtype"])
-    norm["device"] = parse_device(kw["device"])
+    dev = parse_device(kw["device"])  # "cpu" and "cpu:0" are one CPU; "cuda" is the current GPU
+    norm["device"] = "cpu" if dev.type == "cpu" else \
+        f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
     norm["placement"] = "local" if kw["placement"] == "sequential" else kw["placement"]
     for k in ("model", "draft"):
         v = kw.get(k)
@@ -569,14 +576,22 @@ def _cached_engine_locked(method: str, **kw: Any) -> Engine:
         # (not across placement="devices", which moves the stages' layers to their GPUs, or "distributed")
         reuse = old.target if (isinstance(old, Engine) and _target_key(old_key) == _target_key(key)
                                and {old.placement, kw["placement"]}.isdisjoint({"devices", "distributed"})) else None
+        saved = dict(_ENGINES), dict(_DEFERRED)
         _ENGINES.clear()  # keep one model in memory
         _DEFERRED.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            eng = load(**kw, _target=reuse)
-        for w in caught:  # before the engine is kept: a warning the caller's filters make an error keeps nothing
-            if not issubclass(w.category, RandomHeadWarning):
-                _reissue(w)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                eng = load(**kw, _target=reuse)
+            for w in caught:  # before the engine is kept: a warning the caller's filters make an error keeps nothing
+                if not issubclass(w.category, RandomHeadWarning):
+                    _reissue(w)
+        except BaseException:
+            # settings load() refused (or a warning made an error) leave the engine that was cached: the next call
+            # with good settings does not load the model again (its KV cache is given back at its next decode)
+            _ENGINES.update(saved[0])
+            _DEFERRED.update(saved[1])
+            raise
         _ENGINES[key] = eng
         _DEFERRED[key] = [w for w in caught if issubclass(w.category, RandomHeadWarning)]
     if method != "ar" and _DEFERRED.get(key):

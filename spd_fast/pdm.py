@@ -182,15 +182,16 @@ class DraftConfig:
                 "omit boundaries (a trained head brings its own split), or adapt the head to this split with "
                 "`python -m spd_fast.train --init HEAD --boundaries ...` (keep its anchors)")
 
-    def at_split(self, boundaries: Sequence[int] | None, name: str) -> "DraftConfig":
+    def at_split(self, boundaries: Sequence[int] | None, name: str, stacklevel: int = 3) -> "DraftConfig":
         """This (shipped) head run at other boundaries of its n: same weights and anchors, the depth types
-        follow the new split; warns when the split differs (draft=None with user boundaries)."""
+        follow the new split; warns when the split differs (draft=None with user boundaries), at the frame
+        `stacklevel` counts from here (the caller of the public function that asked)."""
         if boundaries is None or tuple(boundaries) == self.boundaries:
             return self
         warnings.warn(f"the shipped draft head {name} was trained for stage boundaries {list(self.boundaries)}; "
                       f"running its weights at {list(boundaries)} (output is still exact; drafts may be accepted "
                       "less often: omit boundaries for the split it was trained at, or adapt it with "
-                      "`python -m spd_fast.train --init`)", stacklevel=3)
+                      "`python -m spd_fast.train --init`)", stacklevel=stacklevel)
         return replace(self, num_stages=len(boundaries) - 1, boundaries=tuple(boundaries))
 
     def check_requested(self, anchors: Sequence[int] | None, num_layers: int | None) -> None:

@@ -816,6 +816,50 @@ def test_generate_and_stream_share_one_cached_engine(monkeypatch):
     assert len(loads) == 2
 
 
+def test_a_refused_setting_keeps_the_cached_engine(monkeypatch):
+    """A call whose engine settings load() refuses (a bad n, max_len, model...) leaves the cached engine in place:
+    the next good call reuses it instead of loading the model again."""
+    import spd_fast.api as api
+
+    loads = []
+
+    def load(**kw):
+        if kw["num_stages"] == 31:
+            raise SpdConfigError("num_stages=31 is refused")
+        loads.append(kw)
+        return _FakeEngine()
+
+    monkeypatch.setattr(api, "_ENGINES", {})
+    monkeypatch.setattr(api, "_DEFERRED", {})
+    monkeypatch.setattr(api, "load", load)
+    assert spd_fast.generate("hi", max_new_tokens=2) == "g"
+    with pytest.raises(SpdConfigError, match="num_stages=31 is refused"):
+        spd_fast.generate("hi", max_new_tokens=2, num_stages=31)
+    assert spd_fast.generate("hi", max_new_tokens=2) == "g" and len(loads) == 1
+    spd_fast.generate("hi", max_new_tokens=2, lookup=0)  # a good new setting still replaces it
+    assert len(loads) == 2 and len(api._ENGINES) == 1
+
+
+def test_a_new_engine_waits_for_a_decode_on_the_shared_model(default_target):
+    """Building an Engine on a loaded target reallocates the model's KV cache: it waits for the model's decode
+    lock, so a generate() running in another thread (on the cached engine of other settings) is not cut off."""
+    import threading
+
+    from spd_fast.api import Engine
+
+    b = (0, 15, 30)
+    model = default_target.model
+    Engine(default_target, None, b, 512, "random")
+    built = []
+    with model.decode_lock:  # as a generate() in progress holds it
+        t = threading.Thread(target=lambda: built.append(Engine(default_target, None, b, 300, "random")))
+        t.start()
+        t.join(timeout=0.5)
+        assert t.is_alive() and not built and model.max_len == 512  # the caches in use are untouched
+    t.join(timeout=60)
+    assert not t.is_alive() and len(built) == 1 and model.max_len == 300
+
+
 @pytest.mark.parametrize("method", ["spd", "ar"])
 def test_extra_stop_tokens(default_target, method):
     """eos_ids adds stop tokens (a chat format's end of turn): the output ends at the first one, marked finished."""
@@ -917,6 +961,7 @@ def test_equivalent_settings_share_the_cached_engine_and_ar_alone_does_not_warn_
         assert [str(w.message) for w in caught] == ["a library's own warning"]  # not the draft head's
         api.generate("hi", max_new_tokens=2, dtype=torch.float32, placement="sequential", model=str(tmp_path))
         api.generate("hi", max_new_tokens=2, dtype="float32", device=torch.device("cpu"), model=tmp_path)
+        api.generate("hi", max_new_tokens=2, dtype="float32", device="cpu:0", model=tmp_path)  # the same CPU
         list(api.stream("hi", max_new_tokens=2, dtype="float32", model=str(tmp_path) + "/"))
         random_head = [w for w in caught if issubclass(w.category, spd_fast.RandomHeadWarning)]
         assert len(random_head) == 1 and "random head" in str(random_head[0].message)

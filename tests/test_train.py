@@ -565,8 +565,12 @@ def test_head_at_other_boundaries_is_refused_and_the_shipped_one_runs_there_with
     # draft=None: the shipped head for n runs at the requested split (same anchors), with a warning
     monkeypatch.setattr(spd_fast.api, "HEADS_DIR", tmp_path / "heads")
     with pytest.warns(UserWarning, match=r"shipped draft head tiny-n3 was trained for stage boundaries \[0, 2, 4, 6\]; "
-                                         r"running its weights at \[0, 1, 4, 6\] \(output is still exact"):
+                                         r"running its weights at \[0, 1, 4, 6\] \(output is still exact") as rec:
         eng = spd_fast.load(model=tiny_checkpoint("llama"), boundaries=(0, 1, 4, 6), progress=False)
+    assert [w.filename for w in rec] == [__file__]  # at the caller's line (filters by module, once per place)
+    with pytest.warns(spd_fast.RandomHeadWarning, match="no shipped draft head for this model at num_stages=2") as rec:
+        spd_fast.load(model=tiny_checkpoint("llama"), num_stages=2, progress=False)
+    assert [w.filename for w in rec] == [__file__]
     assert eng.draft_source == "shipped:tiny-n3" and eng.boundaries == (0, 1, 4, 6)
     assert eng.head.dcfg.boundaries == (0, 1, 4, 6) and eng.head.dcfg.anchors == (0, 2, 4, 6)
     assert eng.head.dcfg.depth_types() == [0, 0, 2, 3]  # depth 1 ends at layer 1: read at anchor 0
