@@ -123,6 +123,14 @@ def bounded_float(low: float, high: float | None = None) -> Callable[[str], floa
 non_negative_float = bounded_float(0.0)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate of 0 would train nothing)."""
+    v = bounded_float(0.0)(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
 def _each_once(parse: Callable[[str], list]) -> Callable[[str], list]:
     """A list type whose repeated values count once (bench and eval would run and print the same rows again)."""
     def parse_once(text: str) -> list:

@@ -122,6 +122,15 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     assert main(base + ["--lookup", "0"]) == 0
     assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["lookup_copy_boost"] == 6.0
     assert "(kept as they were: lookup gate, copy boost)" in capsys.readouterr().out
+    # a lookup no validation row matches gives no evidence about the gate: the calibrated one is kept, not reset
+    gated = dict(cfg, lookup_gate_confidence=0.4, lookup_gate_ratio=0.1, lookup_copy_boost=2.5)
+    (tmp_path / "h" / "draft_config.json").write_text(json.dumps(gated))
+    assert main(base + ["--lookup", "60"]) == 0
+    kept = json.loads((tmp_path / "h" / "draft_config.json").read_text())
+    assert (kept["lookup_gate_confidence"], kept["lookup_gate_ratio"], kept["lookup_copy_boost"]) == (0.4, 0.1, 2.5)
+    out = capsys.readouterr().out
+    assert "0 of" in out and "the lookup gate is not fitted; pass longer --val samples" in out
+    assert "(kept as they were: lookup gate, copy boost)" in out
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(cfg))
     # errors name the problem and the fix
     assert main([str(tmp_path / "h"), "--model", ckpt]) == 2

@@ -256,6 +256,60 @@ def test_checkpoint_round_trip_and_resume(tiny_checkpoint, tmp_path, monkeypatch
                   log=lambda s: None)
 
 
+def test_a_resume_refuses_another_teacher_init_head_or_rank_count(tiny_checkpoint, tmp_path):
+    """What a run began with and the recipe does not show: its teacher (every weight and the config, not only the
+    head's sampled fingerprint), its --init head, and its number of ranks. A resume with others is refused."""
+    import shutil
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 12)
+    cfg = TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, save_every=2, warmup=1)
+    longer = dataclasses.replace(cfg, steps=3)
+    run, quiet = tmp_path / "run", (lambda s: None)
+    train(FakeTarget(m), data, run, num_stages=3, draft_vocab_size=50, cfg=cfg, log=quiet)
+    st = torch.load(run / "trainer_state.pt", weights_only=False)
+    assert st["init"] is None and st["world"] == 1 and isinstance(st["model"], str)
+    # a teacher whose middle layer changed: same sampled fingerprint, another model
+    w = m.layers[1].mlp.w_down.weight
+    orig = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(1.5)
+    with pytest.raises(SpdConfigError, match=r"holds a run trained against another target model \(model identity "
+                                             r"\w+, now \w+: its config.json or weights differ\); .*pass the run's "
+                                             r"own --model, or pass --no-resume"):
+        train(FakeTarget(m), data, run, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet)
+    with torch.no_grad():
+        w.copy_(orig)
+    # a run from scratch resumed with an --init head, which a resume would not read
+    shutil.copytree(run / "head", tmp_path / "h1")
+    with pytest.raises(SpdConfigError, match=r"holds a run that began from scratch, not from --init .*h1 \(digest "
+                                             r"\w+\); a resume takes every weight from its checkpoint .* drop --init"):
+        train(FakeTarget(m), data, run, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet, init=tmp_path / "h1")
+    # a warm-started run: resumed with its own --init, with none, or with it gone; refused with another head
+    warm = tmp_path / "warm"
+    train(FakeTarget(m), data, warm, num_stages=3, draft_vocab_size=50, cfg=cfg, log=quiet, init=tmp_path / "h1")
+    shutil.copytree(tmp_path / "h1", tmp_path / "h2")
+    cal = json.loads((tmp_path / "h2" / "draft_config.json").read_text())
+    (tmp_path / "h2" / "draft_config.json").write_text(json.dumps(dict(cal, draft_temperature_scale=0.8)))
+    with pytest.raises(SpdConfigError, match=r"holds a run that began from the head .*h1 \(digest \w+\), not from "
+                                             r"--init .*h2"):
+        train(FakeTarget(m), data, warm, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet, init=tmp_path / "h2")
+    train(FakeTarget(m), data, warm, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet, init=tmp_path / "h1")
+    shutil.rmtree(tmp_path / "h1")
+    train(FakeTarget(m), data, warm, num_stages=3, draft_vocab_size=50, cfg=dataclasses.replace(cfg, steps=4),
+          log=quiet, init=tmp_path / "h1")
+    assert torch.load(warm / "trainer_state.pt", weights_only=False)["step"] == 4
+    # a run of 2 ranks resumed on 1 would take other batches at every step
+    torch.save(dict(st, world=2), run / "trainer_state.pt")
+    with pytest.raises(SpdConfigError, match=r"holds a run trained on 2 rank\(s\), not 1: each step takes one batch "
+                                             r"per rank.* resume it on 2 rank\(s\) \(torchrun --nproc-per-node 2"):
+        train(FakeTarget(m), data, run, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet)
+    # a checkpoint of the code before these were recorded resumes
+    torch.save({k: v for k, v in st.items() if k not in ("model", "init", "world")}, run / "trainer_state.pt")
+    train(FakeTarget(m), data, run, num_stages=3, draft_vocab_size=50, cfg=longer, log=quiet, init=tmp_path / "h2")
+    assert torch.load(run / "trainer_state.pt", weights_only=False)["step"] == 3
+
+
 def test_a_validation_is_logged_before_it_counts_as_done(tiny_checkpoint, tmp_path, monkeypatch):
     """last_val.json (which a resume reads to skip a validation) is written after the validation's log line: a run
     stopped between the two validates again at resume, so the log never lacks a validation it took."""

@@ -58,6 +58,20 @@ def test_chat_rows_give_one_sample_per_assistant_turn(default_target, tmp_path):
     assert [tok.decode(r["response_ids"]).strip().split("<|im_end|>")[0] for r in rows] == ["Blue.", "Green, too.",
                                                                                             "Hello!"]
     assert rows[1]["prompt_ids"] == default_target.encode(CHAT[0]["messages"][:3])  # the conversation before it
+    # each answer ends at its end-of-turn token: what the template adds after it is never decoded, so takes no loss
+    assert all(r["response_ids"][-1] in default_target.eos_ids for r in rows)
+    # an opening assistant turn has no conversation before it to be its prompt (the template refuses an empty one):
+    # it comes as an empty answer marked as such, which the train command counts in its log
+    opening = {"messages": [{"role": "assistant", "content": "How can I help?"}] + CHAT[0]["messages"][:2]}
+    (tmp_path / "opening.jsonl").write_text(json.dumps(opening) + "\n")
+    first = list(text_file_samples(tmp_path / "opening.jsonl", default_target))
+    assert [r["response_ids"] for r in first[:1]] == [[]] and first[0]["skipped"] == "opening assistant turn"
+    assert [tok.decode(r["response_ids"]).split("<|im_end|>")[0] for r in first[1:]] == ["Blue."]
+    # in a .txt file a line of spaces ends a block as an empty line does
+    t = tmp_path / "blocks.txt"
+    t.write_text("First block.\nline two.\n  \t\nSecond block.\n\nThird block.\n")
+    assert [tok.decode(r["response_ids"]).strip() for r in text_file_samples(t, default_target)] == [
+        "First block.\nline two.", "Second block.", "Third block."]
     js = tmp_path / "chat.json"  # a .json file: one list of the same rows
     js.write_text(json.dumps(CHAT))
     assert [r["response_ids"] for r in text_file_samples(js, default_target)] == [r["response_ids"] for r in rows]
@@ -65,10 +79,13 @@ def test_chat_rows_give_one_sample_per_assistant_turn(default_target, tmp_path):
 
 def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
     f = tmp_path / "chat.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3))
+    opening = {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Hello"},
+                            {"role": "assistant", "content": "How are you?"}]}
+    f.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3 + [opening]))
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(f), "--val", str(f), "--steps", "2",
                         "--save-every", "2", "--draft-vocab", "49152"), capsys)
     assert rc == 0, err
+    assert '{"skipped_opening_assistant_turns": 1}' in err  # counted, not silently dropped
     assert '"done": true' in err and (tmp_path / "o" / "best_head" / "val.json").is_file()
     from spd_fast.pdm import read_draft_config
 
@@ -90,7 +107,17 @@ def test_training_on_chat_data_runs(full_vocab_checkpoint, tmp_path, capsys):
                                                      r"or \"prompt_ids\" \+ \"response_ids\" \(token ids\); got keys "
                                                      r"\['body'\]"),
     ("user.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n",
-     r"user.jsonl, row 1: the chat has no assistant message after a user message"),
+     r"user.jsonl, row 1: the chat has no assistant message, so there is nothing to train on"),
+    ("case.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "x"},
+                                            {"role": "user", "content": "and?"}, {"role": "assistant", "content": "y"}]}),
+     r"case.jsonl, row 1: message 2 has role 'Assistant'; use one of 'system', .*'assistant'"),
+    ("surrogate.jsonl", '{"text": "ok"}\n{"text": "a\\ud800b"}\n',
+     r"surrogate.jsonl, row 2: the text is not valid Unicode text: '\\ud800' at character 1 is a lone surrogate"),
+    ("chatsur.jsonl", json.dumps({"messages": [{"role": "user", "content": "a\ud83d"}, {"role": "assistant",
+                                                                                     "content": "x"}]}),
+     r"chatsur.jsonl, row 1: the content of message 1 is not valid Unicode text"),
+    ("deep.jsonl", "[" * 100000 + "\n", r"deep.jsonl, line 1: not valid JSON .*maximum recursion depth"),
+    ("deep.json", "[" * 100000, r"deep.json: not valid JSON .*maximum recursion depth"),
     ("rows.json", '{"text": "a"}', r"rows.json: a .json data file must hold a list of JSON objects"),
     ("d.csv", "a,b\n", r"d.csv: unknown format '.csv'; use .jsonl, .jsonl.gz, .json"),
     ("float.jsonl", '{"prompt_ids": [1, 2], "response_ids": [3.7, 4]}\n',
@@ -147,7 +174,7 @@ def test_prompt_sets_need_distinct_plain_ids(tmp_path):
     assert [r["id"] for r in load_prompts(f)] == ["a", 1]
 
 
-def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
+def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys, monkeypatch):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"Sample number {i} is here."}) + "\n" for i in range(4)))
     base = small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data))
@@ -166,6 +193,14 @@ def test_bad_options_and_paths(full_vocab_checkpoint, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "afile", "--data", str(data)), capsys)
     assert rc == 2 and "is a file; pass a directory" in err
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # should "" be taken, the run lands here, not in the directory of the tests
+    for empty in ("", " "):  # not the current directory
+        argv = small(full_vocab_checkpoint, tmp_path / "o", "--data", str(data))
+        argv[argv.index("--out") + 1] = empty
+        rc, err = run(argv, capsys)
+        assert rc == 2 and "--out is empty; name the run's directory" in err, err
+    assert not list((tmp_path / "cwd").iterdir())
     rc, err = run(small(full_vocab_checkpoint, tmp_path / "o", "--data", str(tmp_path)), capsys)
     assert rc == 2 and f"data file {tmp_path} is a directory; pass its files" in err
     rc, err = run(base + ["--val", str(tmp_path)], capsys)
@@ -569,6 +604,13 @@ def test_a_fresh_start_drops_the_discarded_runs_state(full_vocab_checkpoint, tmp
     (["--prompts", "/nonexistent.jsonl"], "--prompts only apply to --data self-distill, which this run does not use"),
     (["--max-prompts", "5", "--gen-temperature", "0.7"], "--max-prompts, --gen-temperature only apply to --data "
                                                          "self-distill"),
+    (["--lr", "0"], "--lr: expected a finite number > 0, got '0'"),
+    (["--fill-after-miss", "--fill-aug", "0"], "--fill-after-miss only shapes the fill-augmented steps, which "
+                                               "--fill-aug 0 turns off; drop it or give --fill-aug a probability > 0"),
+    (["--fill-after-miss", "--num-stages", "1"], "which a 1-stage head never takes; drop it"),
+    (["--val-limit", "3"], "--val-limit only applies to --val files, and none was given; drop it or add --val"),
+    (["--max-seq-len", "600"], "--max-seq-len 600 is longer than the model's context (512 positions); pass "
+                               "--max-seq-len 512 or less"),
 ])
 def test_options_out_of_range_or_for_another_data_source_are_refused(full_vocab_checkpoint, tmp_path, capsys, extra,
                                                                      message):
@@ -599,6 +641,10 @@ def test_prompt_files_that_hold_nothing_or_are_directories_are_named(tmp_path):
         load_prompts(tmp_path / "empty.jsonl")
     with pytest.raises(SpdConfigError, match=r"prompt file .* is a directory; pass a .jsonl file"):
         load_prompts(tmp_path)
+    (tmp_path / "sur.jsonl").write_text('{"id": 1, "prompt": "ok"}\n{"id": 2, "prompt": "cut \\ud83d"}\n')
+    with pytest.raises(SpdConfigError, match=r"sur.jsonl, row 2: the prompt is not valid Unicode text: '\\ud83d' at "
+                                             r"character 4 is a lone surrogate"):
+        load_prompts(tmp_path / "sur.jsonl")
 
 
 def test_data_files_with_a_byte_order_mark_a_corrupt_gzip_or_a_cut_last_line(tmp_path):

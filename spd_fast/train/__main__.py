@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.ArgumentParser:
     from ..cli_common import (DefaultsFormatter, Parser, bounded_float, layer_list, non_negative_float, non_negative_int,
-                              positive_int, seed_int, thread_count)
+                              positive_float, positive_int, seed_int, thread_count)
 
     p = Parser(prog="spd_fast.train", description="Train a Pipeline Draft Module (draft head). The last checkpoint "
                "is OUT/head and, with --val, the best on validation OUT/best_head: pass either as `draft`.",
@@ -43,7 +43,7 @@ def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.Arg
                    help="self-distillation: sampling temperature of the answers (0 = greedy)")
     p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps (the LR schedule's length)")
     p.add_argument("--epochs", type=non_negative_float, default=0, help="if > 0, overrides --steps")
-    p.add_argument("--lr", type=non_negative_float, default=5e-4, help="peak learning rate (AdamW; linear decay)")
+    p.add_argument("--lr", type=positive_float, default=5e-4, help="peak learning rate (AdamW; linear decay)")
     p.add_argument("--warmup", type=non_negative_int, default=50, help="linear warmup steps")
     p.add_argument("--batch-tokens", type=positive_int, default=2048,
                    help="padded tokens per batch (per rank under torchrun)")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
     from ..config import SpdConfigError
     from ..runtime import load_target
     from . import heap
-    from .data import load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
+    from .data import OPENING_TURN, load_prompts, read_jsonl, read_val_samples, self_distill, text_file_samples
     from .trainer import (TrainConfig, drop_unlearnable, epoch_steps, init_lead_wait, pack_batches, train,
                           wait_for_lead)
 
@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
         torch.set_num_threads(a.threads)
     if a.bf16 and device.type == "cpu" and (warning := bf16_cpu_warning()):
         print(f"spd_fast.train: warning: {warning}", file=sys.stderr)
+    if not a.out.strip():  # "" is the current directory: a run (and a later resume) in whatever directory that is
+        print("spd_fast.train: error: --out is empty; name the run's directory (it is created, or resumed from)",
+              file=sys.stderr)
+        return 2
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         print(f"spd_fast.train: error: --out {out} is a file; pass a directory (it is created, or resumed from)",
@@ -169,6 +173,19 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
             if unused:
                 raise SpdConfigError(f"{', '.join(unused)} only apply to --data self-distill, which this run does not "
                                      f"use; drop them, or add --data self-distill")
+        ignored = [why for why, on in (
+            ("--fill-after-miss only shapes the fill-augmented steps, which --fill-aug 0 turns off; drop it or give "
+             "--fill-aug a probability > 0", a.fill_after_miss and a.fill_aug == 0),
+            ("--fill-after-miss only shapes the fill-augmented steps, which a 1-stage head never takes; drop it",
+             a.fill_after_miss and a.fill_aug > 0 and a.num_stages == 1),
+            ("--val-limit only applies to --val files, and none was given; drop it or add --val",
+             not a.val and a.val_limit != build_parser().get_default("val_limit"))) if on]
+        if ignored:
+            raise SpdConfigError(ignored[0])
+        ctx = target.cfg.max_position_embeddings
+        if ctx and a.max_seq_len > ctx:  # positions the model was not trained for, which the runtime never decodes
+            raise SpdConfigError(f"--max-seq-len {a.max_seq_len} is longer than the model's context ({ctx} "
+                                 f"positions); pass --max-seq-len {ctx} or less")
         for src in a.data or ["self-distill"]:
             if src == "self-distill":
                 prompts = load_prompts(a.prompts)
@@ -195,13 +212,16 @@ def main(argv: list[str] | None = None, help_command: str = "python -m spd_fast.
         if not samples:
             raise SpdConfigError(f"the data ({', '.join(a.data or ['self-distill'])}) hold no rows to train on; pass "
                                  f"files with rows, or --data self-distill")
-        empty = sum(not r["response_ids"] for r in samples)  # nothing to take a loss on
+        opening = sum(r.get("skipped") == OPENING_TURN for r in samples)  # a chat's first message, by the assistant
+        empty = sum(not r["response_ids"] for r in samples) - opening  # nothing to take a loss on
         samples = [r for r in samples if r["response_ids"]]
         if not samples:
-            raise SpdConfigError(f"every one of the {empty} training samples has an empty answer (no tokens to "
-                                 f"train on); check the data files' \"text\", \"response_ids\" or assistant turns")
-        if empty:
-            log(json.dumps({"skipped_empty_samples": empty}))
+            raise SpdConfigError(f"every one of the {empty + opening} training samples has an empty answer (no tokens "
+                                 f"to train on{f'; {opening} are opening assistant turns' if opening else ''}); check "
+                                 f"the data files' \"text\", \"response_ids\" or assistant turns")
+        if empty or opening:
+            log(json.dumps({k: v for k, v in (("skipped_empty_samples", empty),
+                                              ("skipped_opening_assistant_turns", opening)) if v}))
         samples, counts = drop_unlearnable(samples, a.max_seq_len)  # before the epoch's steps are counted
         if counts["dropped_samples"] or counts["cut_samples"]:
             log(json.dumps(counts))

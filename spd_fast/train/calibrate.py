@@ -351,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     if a.write:
+        if gate and not gate["rows_matched"]:  # no evidence: its "best" would be no gate at all
+            print(f"no validation row's {a.lookup} newest tokens occurred earlier in its context, so the lookup gate "
+                  f"is not fitted; pass longer --val samples (repetitive ones, such as code) to fit it")
+            gate = None
         if cb:
             boost = cb["best"]
         elif a.lookup > 0 and not a.copy_boosts:  # "--copy-boosts ''": one-hot copies, as its help says

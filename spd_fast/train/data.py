@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from ..batch_generate import generate_batch
 from ..config import SpdConfigError
 from ..progress import bar
-from ..runtime import Target, chat_ids, model_identity
+from ..runtime import CHAT_ROLES, Target, chat_ids, check_text, model_identity
 from ..sampling import SamplingParams
 from ..store import write_text_durably
 
@@ -33,7 +34,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
                     continue
                 try:
                     row = json.loads(line)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's depth limit
                     raise SpdConfigError(f"{path}, line {n}: not valid JSON ({e}); each line of a .jsonl file must "
                                          f"be one JSON object") from None
                 if not isinstance(row, dict):
@@ -110,6 +111,7 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
                                  f"{sorted(r)}")
         if not isinstance(r["id"], (str, int)) or isinstance(r["id"], bool):
             raise SpdConfigError(f"{path}, row {n}: \"id\" must be a string or an integer, got {r['id']!r}")
+        check_text(r["prompt"], f"{path}, row {n}: the prompt")
         if r["id"] in seen:
             raise SpdConfigError(f"{path}, rows {seen[r['id']]} and {n} share the id {r['id']!r}; give each prompt "
                                  f"its own id (answers are kept by id)")
@@ -233,9 +235,27 @@ def _model_ids(ids: list[int], target: Target, where: str) -> list[int]:
     return ids
 
 
+OPENING_TURN = "opening assistant turn"  # a chat's first message, with nothing before it to be its prompt
+
+
+def _encode_text(text: str, target: Target, where: str) -> list[int]:
+    """A text sample's ids (loss on all of it), its text checked first (a lone surrogate named, not the
+    tokenizer's TypeError)."""
+    check_text(text, f"{where}: the text")
+    return _model_ids(target.tokenizer.encode(text), target, where)
+
+
+def _answer_ids(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
+    """An assistant turn's ids up to its end-of-turn token: what the template adds after it (a newline) is never
+    decoded, since generation stops at that token, so no loss is taken there."""
+    ends = [k for k, t in enumerate(ids) if t in eos_ids]
+    return ids[: ends[-1] + 1] if ends else ids
+
+
 def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None) -> Iterator[dict]:
     """The training samples of one data row: token ids as they are; a chat (one sample per assistant turn,
-    the loss on that turn, the conversation before it as the prompt); or plain text (loss on all of it)."""
+    the loss on that turn up to its end-of-turn token, the conversation before it as the prompt); or plain
+    text (loss on all of it)."""
     vocab = target.cfg.vocab_size if target is not None else None  # None: token-id rows read without a model
     if "prompt_ids" in rec:
         if not isinstance(rec.get("response_ids"), list) or not isinstance(rec["prompt_ids"], list):
@@ -250,10 +270,18 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None)
                            and isinstance(m.get("role"), str) for m in msgs)):
             raise SpdConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects "
                                  f"with string values")
-        turns = [k for k, m in enumerate(msgs) if m.get("role") == "assistant" and k > 0]
-        if not turns:
-            raise SpdConfigError(f"{where}: the chat has no assistant message after a user message, so there is "
-                                 f"nothing to train on; the loss is taken on assistant turns")
+        for k, m in enumerate(msgs):  # a mis-cased "Assistant" would otherwise be context with no loss, unsaid
+            if m["role"] not in CHAT_ROLES:
+                raise SpdConfigError(f"{where}: message {k + 1} has role {m['role']!r}; use one of "
+                                     + ", ".join(repr(r) for r in CHAT_ROLES))
+            check_text(m["content"], f"{where}: the content of message {k + 1}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise SpdConfigError(f"{where}: the chat has no assistant message, so there is nothing to train on; the "
+                                 f"loss is taken on assistant turns")
+        if msgs[0]["role"] == "assistant":  # no conversation before it: chat templates refuse an empty one as the
+            # prompt, so it is not trained on; an empty answer that says why (the train command counts them)
+            yield {"id": f"{stem}-{i}-opening", "prompt_ids": [], "response_ids": [], "skipped": OPENING_TURN}
+        turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and k > 0]
         for j, k in enumerate(turns):
             try:
                 prompt = chat_ids(target.tokenizer, msgs[:k])
@@ -265,10 +293,9 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None)
                 raise SpdConfigError(f"{where}: the chat template does not extend the conversation's tokens when "
                                      f"a turn is added, so the assistant turn cannot be cut out; use \"text\" rows")
             yield {"id": f"{stem}-{i}" + (f"-{j}" if len(turns) > 1 else ""), "prompt_ids": prompt,
-                   "response_ids": _model_ids(full, target, where)[len(prompt):]}
+                   "response_ids": _answer_ids(_model_ids(full, target, where)[len(prompt):], target.eos_ids)}
     elif isinstance(rec.get("text"), str):
-        yield {"id": f"{stem}-{i}", "prompt_ids": [],
-               "response_ids": _model_ids(target.tokenizer.encode(rec["text"]), target, where)}
+        yield {"id": f"{stem}-{i}", "prompt_ids": [], "response_ids": _encode_text(rec["text"], target, where)}
     elif "text" in rec:
         raise SpdConfigError(f"{where}: \"text\" must be a string, got {rec['text']!r}")
     else:
@@ -290,7 +317,7 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
                 text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not data
             try:
                 rows = json.loads(text)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise SpdConfigError(f"{path}: not valid JSON ({e}); a .json data file holds one list of rows "
                                      f"(or use .jsonl, one row per line)") from None
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
@@ -325,13 +352,14 @@ def text_file_samples(path: str | Path, target: Target | None) -> Iterator[dict]
                 raise SpdConfigError(f"data file {path}, row {i + 1}: the \"text\" column holds {text!r}, not a "
                                      f"string; drop or fill the empty rows")
             yield {"id": f"{path.stem}-{i}", "prompt_ids": [],
-                   "response_ids": _model_ids(target.tokenizer.encode(text), target, f"data file {path}, row {i + 1}")}
+                   "response_ids": _encode_text(text, target, f"data file {path}, row {i + 1}")}
     elif path.suffix.lower() in (".txt", ".text", ".md", ""):
         with _readable(path):
             text = path.read_text(encoding="utf-8-sig")
-        for i, block in enumerate(b for b in text.split("\n\n") if b.strip()):
-            yield {"id": f"{path.stem}-{i}", "prompt_ids": [],
-                   "response_ids": _model_ids(target.tokenizer.encode(block), target, f"{path}, block {i + 1}")}
+        # blocks end at a blank line, one of spaces or tabs too (it looks blank)
+        for i, block in enumerate(b for b in re.split(r"\n[ \t]*\n", text) if b.strip()):
+            yield {"id": f"{path.stem}-{i}", "prompt_ids": [], "response_ids": _encode_text(block, target,
+                                                                                           f"{path}, block {i + 1}")}
     else:
         raise SpdConfigError(f"data file {path}: unknown format {path.suffix!r}; use {DATA_FORMATS}")
 

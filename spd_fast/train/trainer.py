@@ -137,6 +137,9 @@ class PdmTrainer:
         self.resumed_steps: int | None = None  # the saved run's --steps, after a resume
         self.train_seconds = 0.0        # wall clock spent in the training loop by this run, over all its resumes
         self.data_key: dict | None = None  # what `train` trains on (data_fingerprint): a resume on other data is refused
+        self.model_key: str | None = None  # the teacher's model_identity: a resume against another model is refused
+        # the --init head warm-started from ({"path", "digest"}; None from scratch): a resume with another is refused
+        self.init_key: dict | None = None
         self.dev = target.device
         # data parallel (torchrun): every rank takes its own batches and gradients are averaged
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -417,7 +420,8 @@ class PdmTrainer:
                     "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "cfg": asdict(self.cfg),
                     "draft": json.loads(self.head.dcfg.to_json()), "total_steps": self.total_steps,
                     "budget_done": self.budget_done, "data": self.data_key, "train_seconds": self.train_seconds,
-                    "teacher_dtype": str(self.target.embed.weight.dtype)},
+                    "teacher_dtype": str(self.target.embed.weight.dtype), "model": self.model_key,
+                    "init": self.init_key, "world": self.world},
                    out / "trainer_state.pt.tmp")
         replace_durably(out / "trainer_state.pt.tmp", out / "trainer_state.pt")
 
@@ -461,6 +465,7 @@ class PdmTrainer:
                 f"continues the run as it began: pass its own values (its trainer_state.pt records them), or "
                 f"--no-resume (or another --out) to start over, or another --out with --init {out}/head to fine-tune its head "
                 f"with the new ones")
+        self._check_resume_origin(out, st)
         try:
             self.head.load_state_dict(st["head"])
             self.opt.load_state_dict(st["opt"])
@@ -478,6 +483,35 @@ class PdmTrainer:
         self.rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"].cpu())
         return True
+
+
+    def _check_resume_origin(self, out: Path, st: dict) -> None:
+        """Refuse a resume whose teacher model, --init head or rank count is not the saved run's (each absent in
+        runs saved before it was recorded, which are not checked)."""
+        fresh = (f"pass --no-resume (or another --out) to start over, or another --out with --init {out}/head to "
+                 f"fine-tune its head")
+        old_model = st.get("model")
+        if old_model is not None and self.model_key is not None and old_model != self.model_key:
+            raise SpdConfigError(
+                f"{out} holds a run trained against another target model (model identity {old_model}, now "
+                f"{self.model_key}: its config.json or weights differ); resuming would train the rest of it against "
+                f"another teacher; pass the run's own --model, or {fresh}")
+        if "init" in st and self.init_key is not None and self.init_key["digest"] is not None:
+            old_init = st["init"]
+            if old_init is None or old_init["digest"] != self.init_key["digest"]:
+                began = ("from scratch" if old_init is None else
+                         f"from the head {old_init['path']} (digest {old_init['digest']})")
+                raise SpdConfigError(
+                    f"{out} holds a run that began {began}, not from --init {self.init_key['path']} (digest "
+                    f"{self.init_key['digest']}); a resume takes every weight from its checkpoint and would not read "
+                    f"--init: drop --init (or pass the run's own) to resume it, or pass --no-resume (or another "
+                    f"--out) to start from this --init")
+        old_world = st.get("world")
+        if old_world is not None and old_world != self.world:
+            raise SpdConfigError(
+                f"{out} holds a run trained on {old_world} rank(s), not {self.world}: each step takes one batch per "
+                f"rank, so it would not continue on the batches it would have taken; resume it on {old_world} "
+                f"rank(s) (torchrun --nproc-per-node {old_world}, or no torchrun for 1), or {fresh}")
 
 
 def data_fingerprint(samples: Sequence[dict]) -> dict:
@@ -780,6 +814,16 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
     samples, _ = drop_unlearnable(samples, cfg.max_seq_len)
     trainer = PdmTrainer(tgt, head, cfg)
     trainer.data_key = data_fingerprint(samples)
+    identity = model_identity(tgt)  # also the feature cache's key
+    trainer.model_key = identity
+    if init is not None:  # at a resume the --init directory may be gone: then it is not checked
+        from ..pdm import head_digest
+
+        try:
+            digest: str | None = head_digest(init)
+        except (OSError, ValueError, SpdConfigError):
+            digest = None
+        trainer.init_key = {"path": str(Path(init).resolve()), "digest": digest}
     rank, world = trainer.rank, trainer.world
     lead = rank == 0  # under torchrun only rank 0 logs, validates and writes checkpoints
     if not lead:
@@ -815,7 +859,7 @@ def train(target_obj, samples: Sequence[dict], out_dir: str | Path, num_stages: 
         t_c = time.perf_counter()
         if not lead:
             wait_for_lead()  # rank 0 builds the cache first; the others then open it
-        cache = build_feature_caches(tgt, model_identity(tgt), samples, out / "feature_cache", dcfg.anchors,
+        cache = build_feature_caches(tgt, identity, samples, out / "feature_cache", dcfg.anchors,
                                     cfg.max_seq_len, batch_tokens=4096, bf16=cfg.bf16, progress=interactive() and lead)
         if lead and world > 1:
             wait_for_lead()
