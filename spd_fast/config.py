@@ -86,7 +86,7 @@ class ModelConfig:
         _check_hf_values(cfg)
         # settings the model code does not implement: refuse rather than load wrong logits silently
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' "swish" is SiLU
             raise SpdConfigError(f"unsupported hidden_act {act!r}: spd_fast's MLP is SwiGLU with SiLU, as in Llama, "
                                  f"SmolLM2 and Qwen; this checkpoint needs another activation")
         if cfg.get("mlp_bias"):

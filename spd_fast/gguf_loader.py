@@ -65,6 +65,11 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def gguf_config(reader) -> dict[str, Any]:
+    parts = _field(reader, "split.count")
+    if isinstance(parts, int) and parts > 1:  # one file of a model split by llama.cpp's gguf-split
+        raise SpdConfigError(f"this GGUF file is part {(_field(reader, 'split.no') or 0) + 1} of {parts} of a split "
+                             f"model; merge the parts into one file first (llama-gguf-split --merge FIRST-PART OUT.gguf) "
+                             f"and pass that")
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise SpdConfigError(
@@ -85,8 +90,10 @@ def gguf_config(reader) -> dict[str, Any]:
     if (g("expert_count") or 0) > 0:
         raise SpdConfigError(f"this GGUF file is a mixture-of-experts {arch} model ({g('expert_count')} experts), "
                              f"which spd_fast does not run; use a dense model")
-    scaling, factor = g("rope.scaling.type"), g("rope.scaling.factor")
-    if scaling not in (None, "none") and factor not in (None, 1, 1.0):
+    # as llama.cpp reads them: no type means linear, and the older rope.scale_linear key stands in for the factor
+    scaling = g("rope.scaling.type", "linear")
+    factor = g("rope.scaling.factor") or g("rope.scale_linear")
+    if scaling != "none" and factor not in (None, 0, 0.0, 1, 1.0):
         raise SpdConfigError(f"this GGUF file asks for {scaling} RoPE scaling (factor {factor}), which spd_fast "
                              f"does not implement, so its logits would be wrong; use a checkpoint without RoPE "
                              f"scaling (Llama-3 scaling is supported from a Hugging Face checkpoint directory)")

@@ -169,6 +169,10 @@ def pack_draft(head: torch.nn.Module, target: torch.nn.Module) -> bool:
     lm = getattr(target, "lm_head", None)
     if (not draft_enabled() or not _cpu_fp32(head) or lm is None or getattr(lm, "packed", None) is None):
         return False
+    linears = [m for layer in head.layers for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up,
+                                                    layer.mlp.w_down)] + list(head.proj) + [head.lm_head]
+    if any(m.weight.shape[1] % 32 for m in linears):  # Q8_0 blocks hold 32 inputs: such a head decodes in fp32
+        return False
     for layer in head.layers:
         for mod in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down):
             mod.packed = quantize_q8_0(mod.weight)
@@ -238,11 +242,12 @@ def maybe_attach(model: torch.nn.Module, model_dir: Path, warn_dtype: bool = Tru
     """Attach the GGUF blocks of a converted GGUF directory, when everything allows it; else 0. A CPU model
     loaded in another dtype than fp32 gets none, and with `warn_dtype` a warning says so when the file has blocks
     to pack: its decode would be several times faster in fp32 (training, which does not decode, passes False)."""
-    marker = Path(model_dir) / "spd_fast_converted.json"
-    if not enabled() or not marker.is_file():
+    from .store import read_marker
+
+    meta = read_marker(Path(model_dir)) if enabled() else None
+    if meta is None:  # not a conversion, or its marker is damaged: the fp32 weights alone
         return 0
-    meta = json.loads(marker.read_text())
-    source = Path(meta.get("source", ""))
+    source = Path(meta["source"])
     if not source.is_file():
         return 0
     if not _cpu_fp32(model):

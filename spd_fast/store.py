@@ -59,7 +59,24 @@ def write_text_durably(path: str | Path, text: str) -> None:
 
 def cache_root() -> Path:
     # an empty SPD_FAST_CACHE is unset (Path("") would be the working directory)
-    return Path(os.environ.get("SPD_FAST_CACHE") or Path.home() / ".cache" / "spd_fast")
+    # ~ expanded (a Docker ENV or .env file leaves it as it is) and made absolute: one cache, whatever the directory
+    return Path(os.environ.get("SPD_FAST_CACHE") or Path.home() / ".cache" / "spd_fast").expanduser().absolute()
+
+
+def _check_convertible(path: Path, cfg: dict, sd: dict) -> None:
+    """The checks a load of the converted directory makes (its config, every tensor it needs and none it cannot
+    use), made on the GGUF's own config and tensor names and shapes (meta tensors: no copy of the weights)."""
+    import torch
+
+    from .config import ModelConfig
+    from .loading import _hf_to_ours
+
+    try:
+        _hf_to_ours(ModelConfig.from_hf_dict(cfg), {k: torch.empty(v.shape, device="meta") for k, v in sd.items()})
+    except SpdConfigError as e:
+        raise type(e)(f"{path}: {e}") from None
+    except NotImplementedError:  # a check that reads values (a stored output layer beside a tied one): at load
+        pass
 
 
 def default_gguf_path() -> Path:
@@ -139,6 +156,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
 
     with status(f"converting {path.name} into {out} (once)", enabled=progress):
         cfg, sd = read_gguf(path)
+        _check_convertible(path, cfg, sd)  # a file that cannot load is refused before anything is cached
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -189,8 +207,18 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
 _MARKER = "spd_fast_converted.json"  # written last into a conversion: its directory is complete
 
 
+def read_marker(d: Path) -> dict | None:
+    """A finished conversion's marker (its source file, host, format, hashes), or None when `d` has none or one
+    damaged by hand or by a full disk (not a JSON object naming its source): that conversion is then redone."""
+    try:
+        meta = json.loads((Path(d) / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("source"), str) else None
+
+
 def _finished(d: Path) -> bool:
-    return (d / _MARKER).is_file()
+    return read_marker(d) is not None
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -602,3 +602,52 @@ def test_rank0_plan_names_a_malformed_draft_config(tiny_checkpoint, tmp_path):
     with pytest.raises(SpdConfigError, match=r"is not a draft head checkpoint \(expected draft_config.json and "
                                              r"draft.safetensors in it\)"):
         _plan_on_rank0(path, ModelConfig.from_dir(path), torch.float32, 2, None, None, str(tmp_path), None, 0)
+
+
+def test_a_stage_loads_only_what_the_single_process_loader_accepts(tiny_checkpoint, tmp_path):
+    """load_stage (placement="distributed") read only its own tensors and so skipped the whole-checkpoint checks:
+    an untied model without its output layer ran on the embedding, a stray tensor was dropped, a vocabulary
+    mismatch was a raw RuntimeError. Each is now refused on every rank with load_hf_dir's message."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from spd_fast.distributed.partial_load import load_stage
+    from spd_fast.loading import load_hf_dir
+
+    src = Path(tiny_checkpoint("llama"))  # untied
+    cfg0 = json.loads((src / "config.json").read_text())
+    sd0 = load_file(str(src / "model.safetensors"))
+
+    def stage(d: Path, layers: range = range(0, 3), **kw):
+        return load_stage(d, ModelConfig.from_dir(d), layers, embedding=True, head=True, dtype=torch.float32,
+                          device=torch.device("cpu"), max_len=16, **kw)
+
+    ref = load_hf_dir(src)
+    got = stage(src, range(0, 6))
+    assert torch.equal(got.layers[2].attn.wqkv.weight, ref.layers[2].attn.wqkv.weight)
+    assert torch.equal(got.lm_head.weight, ref.lm_head.weight)
+    cases = [
+        ({k: v for k, v in sd0.items() if k != "lm_head.weight"}, {},
+         r"missing tensor 'lm_head.weight' while its config.json says tie_word_embeddings is false"),
+        ({**sd0, "lm_head.weight": sd0["lm_head.weight"] + 1}, {"tie_word_embeddings": True},
+         r"lm_head.weight that differs from model.embed_tokens.weight while its config.json says tie_word_embeddings"),
+        ({**sd0, "model.layers.5.self_attn.o_proj.bias": torch.zeros(64)}, {},
+         r"1 tensors the llama layout of spd_fast does not use, e.g. \['model.layers.5.self_attn.o_proj.bias'\]"),
+        (sd0, {"vocab_size": 96}, r"the config does not match the weights \(size mismatch for embed.weight: .*97, "
+                                  r"64.*96, 64.*use the checkpoint's own config.json"),
+    ]
+    for i, (sd, change, message) in enumerate(cases):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        shutil.copytree(src, d, dirs_exist_ok=True)
+        save_file(sd, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**cfg0, **change}))
+        with pytest.raises(SpdConfigError, match=message):
+            load_hf_dir(d)  # the single-process loader's refusal ...
+        with pytest.raises(SpdConfigError, match=message):
+            stage(d)  # ... is the stage's, although layer 5 and the head rows are another rank's
+    (tmp_path / "c0" / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(SpdConfigError, match=r"model.safetensors.index.json is not a valid safetensors index"):
+        stage(tmp_path / "c0")

@@ -106,6 +106,15 @@ def test_config_settings_the_model_code_lacks_are_refused(tiny_checkpoint, tmp_p
     (d / "config.json").write_text(json.dumps({**cfg, **{k: False for k in change if k != "hidden_act"}}))
     if "hidden_act" not in change:
         load_hf_dir(d)  # the same setting off loads
+    else:  # transformers' "swish" is SiLU under another name: the same logits
+        ref = load_hf_dir(tiny_checkpoint(family))
+        (d / "config.json").write_text(json.dumps({**cfg, "hidden_act": "swish"}))
+        ids = torch.tensor([[1, 5, 9, 2]])
+        ref.setup_caches(1, 16)
+        m = load_hf_dir(d)
+        m.setup_caches(1, 16)
+        with torch.no_grad():
+            assert torch.equal(m(ids, torch.arange(4)[None]), ref(ids, torch.arange(4)[None]))
 
 
 def test_unused_checkpoint_tensors_are_refused(tiny_checkpoint, tmp_path):
@@ -220,8 +229,9 @@ def test_garbage_gguf(tmp_path):
 
 
 def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict | None = None,
-               seed: int = 0, drop: tuple[str, ...] = ()) -> None:
-    """drop: GGUFWriter.add_* metadata calls to leave out (e.g. "block_count"), or to make with a 0 ("zero:...")."""
+               seed: int = 0, drop: tuple[str, ...] = (), skip_tensors: tuple[str, ...] = ()) -> None:
+    """drop: GGUFWriter.add_* metadata calls to leave out (e.g. "block_count"), or to make with a 0 ("zero:...");
+    skip_tensors: tensors to leave out (e.g. "output_norm.weight")."""
     import gguf
     import numpy as np
 
@@ -240,13 +250,15 @@ def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict
         w.add_tensor(extra_tensor, np.zeros(F if "ffn" in extra_tensor else H, np.float32))
     r = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", (r.standard_normal((V, H)) * 0.05).astype(np.float32))
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    if "output_norm.weight" not in skip_tensors:
+        w.add_tensor("output_norm.weight", np.ones(H, np.float32))
     if rope_freqs:  # how llama.cpp stores Llama-3.1 RoPE scaling
         w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 8).astype(np.float32))
     for n, shape in [("attn_norm.weight", (H,)), ("ffn_norm.weight", (H,)), ("attn_q.weight", (H, H)),
                      ("attn_k.weight", (32, H)), ("attn_v.weight", (32, H)), ("attn_output.weight", (H, H)),
                      ("ffn_gate.weight", (F, H)), ("ffn_up.weight", (F, H)), ("ffn_down.weight", (H, F))]:
-        w.add_tensor("blk.0." + n, (r.standard_normal(shape) * 0.05 + seed).astype(np.float32))
+        if "blk.0." + n not in skip_tensors:
+            w.add_tensor("blk.0." + n, (r.standard_normal(shape) * 0.05 + seed).astype(np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
 
@@ -258,9 +270,15 @@ def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict
     (None, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
      r"asks for linear RoPE scaling \(factor 4.0\), which spd_fast does not implement"),
     (None, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, r"asks for yarn RoPE scaling"),
+    # llama.cpp reads a factor with no type as linear scaling, and the older rope.scale_linear key as its factor
+    (None, {"llama.rope.scaling.factor": 4.0}, r"asks for linear RoPE scaling \(factor 4.0\)"),
+    (None, {"llama.rope.scale_linear": 2.0}, r"asks for linear RoPE scaling \(factor 2.0\)"),
     (None, {"llama.expert_count": 2}, r"mixture-of-experts llama model \(2 experts\), which spd_fast does not run"),
     (None, {"llama.rope.dimension_count": 8}, r"rotates 8 of each head's 16 dimensions \(partial RoPE\)"),
-], ids=["mlp-bias", "output-bias", "norm-bias", "rope-linear", "rope-yarn", "moe", "partial-rope"])
+    (None, {"split.count": 3, "split.no": 1}, r"is part 2 of 3 of a split model; merge the parts into one file first "
+                                              r"\(llama-gguf-split --merge"),
+], ids=["mlp-bias", "output-bias", "norm-bias", "rope-linear", "rope-yarn", "rope-factor-only", "rope-scale-linear",
+        "moe", "partial-rope", "split"])
 def test_gguf_variants_spd_fast_would_run_wrong_are_refused(tmp_path, extra_tensor, kv, message):
     """Tensors or settings the model code has no place for used to be dropped or ignored: the file loaded and
     gave wrong logits. A scaling factor of 1 is no scaling, and the rotary size of full RoPE is accepted."""
@@ -273,6 +291,9 @@ def test_gguf_variants_spd_fast_would_run_wrong_are_refused(tmp_path, extra_tens
                                                            "llama.rope.scaling.factor": 1.0,
                                                            "llama.rope.dimension_count": 16})
     assert read_gguf(tmp_path / "ok.gguf")[0]["head_dim"] == 16
+    _tiny_gguf(tmp_path / "none.gguf", rope_freqs=False, kv={"llama.rope.scaling.type": "none",
+                                                             "llama.rope.scaling.factor": 4.0})
+    assert read_gguf(tmp_path / "none.gguf")[0].get("rope_scaling") is None  # scaling turned off by name
 
 
 def test_gguf_end_of_turn_ids_are_stop_tokens(tmp_path):
@@ -355,6 +376,26 @@ def test_an_empty_cache_variable_means_the_default_cache(tmp_path, monkeypatch):
     assert cache_root() == Path.home() / ".cache" / "spd_fast"
     monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
+    # ~ expanded, a relative path made absolute (a Docker ENV leaves ~ as it is; a literal "./~" was created)
+    monkeypatch.setenv("SPD_FAST_CACHE", "~/spd-cache")
+    assert cache_root() == Path.home() / "spd-cache"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPD_FAST_CACHE", "rel")
+    assert cache_root() == tmp_path / "rel"
+
+
+@pytest.mark.parametrize("missing,tensor", [("output_norm.weight", "model.norm.weight"),
+                                            ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight")])
+def test_a_gguf_that_cannot_load_is_refused_before_its_conversion_is_cached(tmp_path, monkeypatch, missing, tensor):
+    """The conversion was written and marked finished first, and every later load reused it and failed."""
+    from spd_fast.store import convert_gguf
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, skip_tensors=(missing,))
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        with pytest.raises(SpdConfigError, match=rf"m.gguf: checkpoint is missing tensor '{tensor}'"):
+            convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tmp_path)
+    assert not (tmp_path / "cache" / "models").exists() or not list((tmp_path / "cache" / "models").iterdir())
 
 
 def test_unwritable_conversion_cache(tmp_path, monkeypatch):
@@ -1253,6 +1294,26 @@ def test_a_stray_safetensors_file_with_the_same_tensors_is_named(tiny_checkpoint
     with pytest.raises(SpdConfigError, match=r"tensor 'model.norm.weight' is in both model.safetensors and "
                                              r"old-copy.safetensors in .*; remove the file that does not belong"):
         load_hf_dir(d)
+
+
+def test_a_damaged_conversion_marker_is_converted_again(tmp_path, tiny_checkpoint, monkeypatch):
+    """A marker emptied by a full disk or edited by hand was a JSON traceback on every load of the model (from the
+    packed-block check); the conversion is now unfinished, so the next load converts the file again."""
+    from spd_fast import packed, store
+
+    monkeypatch.delenv("SPD_FAST_PACKED", raising=False)
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False)
+    tok = Path(tiny_checkpoint("llama"))
+    d = store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tok)
+    good = (d / "spd_fast_converted.json").read_text()
+    m = load_hf_dir(d)
+    for damaged in ("", '{"source": 5}', "[1]", "{"):
+        (d / "spd_fast_converted.json").write_text(damaged)
+        assert store.read_marker(d) is None
+        assert packed.maybe_attach(m, d, warn_dtype=False) == 0
+        assert store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tok) == d
+        assert json.loads((d / "spd_fast_converted.json").read_text())["source"] == json.loads(good)["source"]
 
 
 def test_packed_blocks_of_a_changed_gguf_are_not_attached(tmp_path, tiny_checkpoint, monkeypatch):

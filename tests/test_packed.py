@@ -288,6 +288,19 @@ def test_packed_draft_can_be_turned_off_and_needs_a_packed_target(monkeypatch, d
     dcfg = DraftConfig.make(tiny.cfg, (0, tiny.cfg.num_layers // 2, tiny.cfg.num_layers))
     small = init_from_target(DraftHead(dcfg, tiny.cfg, tiny.norm), tiny).eval()
     assert packed.pack_draft(small, tiny) is False and small.lm_head.packed is None
+    # a packed target whose head has a width Q8_0 blocks (32 inputs each) cannot hold: that head stays fp32 (it
+    # raised ValueError at load, for method="ar" too)
+    import dataclasses
+
+    with torch.no_grad():
+        tiny.lm_head.packed = packed.quantize_q8_0(tiny.lm_head.weight)
+    try:
+        assert packed.pack_draft(init_from_target(DraftHead(dcfg, tiny.cfg, tiny.norm), tiny).eval(), tiny) is True
+        odd = dataclasses.replace(tiny.cfg, intermediate_size=80)
+        head80 = DraftHead(dcfg, odd, tiny.norm).eval()
+        assert packed.pack_draft(head80, tiny) is False and head80.layers[0].mlp.w_down.packed is None
+    finally:
+        tiny.lm_head.packed = None
 
 
 def test_cpu_name_names_the_simd_level_the_decode_ops_compile_for():

@@ -33,8 +33,11 @@ class CheckpointReader:
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from e
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("its weight_map is not an object of tensor name -> file name")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); re-save "
+                                      f"the checkpoint") from None
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(f.name for f in self.path.glob("*.safetensors"))
@@ -58,6 +61,11 @@ class CheckpointReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a meta tensor of its shape (read from the headers only): for layout checks."""
+        return {k: torch.empty(self._handles[f].get_slice(k).get_shape(), device="meta")
+                for k, f in self._where.items()}
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
@@ -88,6 +96,25 @@ def _layer_tensors(cfg: ModelConfig, rd: CheckpointReader, i: int) -> Iterator[t
     yield f"layers.{i}.mlp_norm.weight", rd.get(p + "post_attention_layernorm.weight")
 
 
+def _check_layout(cfg: ModelConfig, rd: CheckpointReader, model: Transformer) -> None:
+    """The single-process loader's checks (loading._hf_to_ours: every tensor present, none unused, an untied
+    output layer stored, a tied one not stored differently; and every shape the config's), made on the whole
+    checkpoint's names and shapes, so each rank refuses what `load` refuses, not only for its own layers."""
+    from ..loading import _hf_to_ours
+
+    meta = rd.meta()
+    if cfg.tie_word_embeddings and "lm_head.weight" in meta:  # the one check that compares values
+        for k in ("lm_head.weight", "model.embed_tokens.weight"):
+            meta[k] = rd.get(k)
+    mapped = _hf_to_ours(cfg, meta)
+    want = model.state_dict()
+    for k, v in mapped.items():
+        if k in want and tuple(want[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"the config does not match the weights (size mismatch for {k}: the checkpoint "
+                                  f"has {tuple(v.shape)}, the config gives {tuple(want[k].shape)}); use the "
+                                  f"checkpoint's own config.json")
+
+
 def _lm_head(cfg: ModelConfig, rd: CheckpointReader) -> torch.Tensor:
     if cfg.tie_word_embeddings or "lm_head.weight" not in rd:
         return rd.get("model.embed_tokens.weight")
@@ -99,6 +126,9 @@ def load_stage(path: str | Path, cfg: ModelConfig, layers: range, *, embedding: 
     """A Transformer whose layers in `layers` (plus embedding / final norm + LM head when asked) hold
     real weights and static KV caches of max_len + 1 slots; every other parameter stays on meta."""
     rd = CheckpointReader(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _check_layout(cfg, rd, model)
     sd: dict[str, torch.Tensor] = {}
     for i in layers:
         sd.update(_layer_tensors(cfg, rd, i))
@@ -108,8 +138,6 @@ def load_stage(path: str | Path, cfg: ModelConfig, layers: range, *, embedding: 
         sd["norm.weight"] = rd.get("model.norm.weight")
         if not (cfg.tie_word_embeddings and embedding):
             sd["lm_head.weight"] = _lm_head(cfg, rd)
-    with torch.device("meta"):
-        model = Transformer(cfg)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     # assign=True swaps the meta parameters for these tensors; the others stay meta (no memory)
     model.load_state_dict(sd, strict=False, assign=True)
