@@ -159,7 +159,8 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
         _check_convertible(path, cfg, sd)  # a file that cannot load is refused before anything is cached
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+            # host and pid in the name: a later conversion removes it if this process dies before publishing it
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{_owner()}-"))
         except OSError as e:
             raise unwritable(e) from None
         try:
@@ -229,7 +230,7 @@ def _publish(tmp: Path, out: Path) -> None:
         return
     if out.exists():
         # move it aside first (atomic), then look again: a winner may have published in between
-        stale = out.parent / f".stale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        stale = out.parent / f".stale-{_owner()}-{uuid.uuid4().hex[:8]}"
         try:
             out.rename(stale)
         except FileNotFoundError:
@@ -249,12 +250,40 @@ def _publish(tmp: Path, out: Path) -> None:
             raise
 
 
+def _owner() -> str:
+    """This process as the owner of a temporary directory in the cache: host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _drop_orphans(models: Path) -> None:
+    """Remove the temporary directories (a full model copy each) of this host's conversions whose process died
+    before publishing them (killed, or out of memory while holding the fp32 weights). Other hosts' are theirs."""
+    host = socket.gethostname()
+    for d in models.iterdir():
+        for kind in (".tmp-", ".stale-"):
+            if d.name.startswith(f"{kind}{host}-"):
+                pid = d.name[len(kind) + len(host) + 1:].split("-", 1)[0]
+                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                    shutil.rmtree(d, ignore_errors=True)
+
+
 def _prune_older_conversions(path: Path, keep: Path) -> None:
     """Drop conversions of earlier versions of the same GGUF file (a reinstall changes its mtime, so the
     cache key), and of files this host no longer has: each holds a full copy of the model. Only this host's
     conversions go: other files, and other hosts sharing the cache (each with its own install at that
     path), keep theirs."""
     source, host = str(path.resolve()), socket.gethostname()
+    _drop_orphans(keep.parent)
     for d in keep.parent.iterdir():
         if d == keep or d.name.startswith(".") or not _finished(d):
             continue

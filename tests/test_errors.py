@@ -1316,6 +1316,33 @@ def test_a_damaged_conversion_marker_is_converted_again(tmp_path, tiny_checkpoin
         assert json.loads((d / "spd_fast_converted.json").read_text())["source"] == json.loads(good)["source"]
 
 
+def test_a_conversion_killed_before_publishing_leaves_no_copy_behind(tmp_path, tiny_checkpoint, monkeypatch):
+    """A conversion killed mid-way (an OOM while it holds the fp32 weights) left its hidden temporary directory, a
+    full copy of the model, for good; the next conversion on this host removes those of processes that are gone."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from spd_fast import store
+
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    host = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [models / f".tmp-{host}-{gone.pid}-abc", models / f".stale-{host}-{gone.pid}-0123abcd"]
+    kept = [models / f".tmp-{host}-{os.getpid()}-def", models / ".tmp-otherhost-1-ghi", models / ".tmp-old"]
+    for d in dead + kept:
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False)
+    out = store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=Path(tiny_checkpoint("llama")))
+    assert store.read_marker(out) is not None
+    assert [d.exists() for d in dead] == [False, False] and all(d.exists() for d in kept)
+    assert not [d for d in models.iterdir() if d.name.startswith(f".tmp-{host}-{os.getpid()}-") and d not in kept]
+
+
 def test_packed_blocks_of_a_changed_gguf_are_not_attached(tmp_path, tiny_checkpoint, monkeypatch):
     """A converted directory keeps the key of the GGUF it came from; if that file changed since (rewritten in
     place, or another file at its path), its blocks are not the fp32 weights' and the packed decode is left off
