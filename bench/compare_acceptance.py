@@ -84,9 +84,12 @@ def _sliced(rows: list[dict], sel: slice | None) -> list[dict]:
 
 
 def compare(base: dict, new: dict, prompts: slice | None = None) -> list[dict]:
-    from spd_fast.evaluate import paired_difference
+    from spd_fast.evaluate import dtype_name, paired_difference
 
-    mb, mn = base.get("meta", {}), new.get("meta", {})
+    mb, mn = dict(base.get("meta", {})), dict(new.get("meta", {}))
+    for m in (mb, mn):  # results written before dtypes had one spelling ("fp32", "torch.float32")
+        if "dtype" in m:
+            m["dtype"] = dtype_name(m["dtype"])
     for k, flag in _SAME.items():
         if k in mb and k in mn and mb[k] != mn[k]:
             raise SpdConfigError(f"the two runs differ in {k} ({mb[k]!r} vs {mn[k]!r}): a paired comparison needs "

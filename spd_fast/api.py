@@ -20,7 +20,7 @@ from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_la
 from .drafters import PdmDrafter
 from .engine import SPDEngine, run_stepwise
 from .pdm import DraftConfig, DraftHead, load_draft, random_draft_head, read_draft_config
-from .runtime import Prompt, Target, is_token_ids, load_target, parse_device, parse_dtype
+from .runtime import Prompt, Target, check_text, is_token_ids, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator, plain_number
 
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -101,6 +101,8 @@ def check_stop(stop: Any, placement: str = "local") -> tuple[str, ...]:
     if any("\ufffd" in x for x in items):  # the decoded text shows half a character as U+FFFD: no match would be real
         raise SpdConfigError(f"stop string {next(x for x in items if chr(0xfffd) in x)!r} holds U+FFFD, the replacement "
                              f"character, which the decoded text shows for an incomplete character; drop it")
+    for x in items:  # a lone surrogate (bytes that were not UTF-8, e.g. a Latin-1 terminal) is in no decoded text
+        check_text(x, f"stop string {x!r}")
     if items and placement == "distributed":
         raise SpdConfigError("placement='distributed' takes no stop strings; pass their tokens as eos_ids, or use "
                              "another placement")

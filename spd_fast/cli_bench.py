@@ -11,7 +11,7 @@ from typing import Any
 from .cli_common import (DefaultsFormatter, _int_at_least, add_model_options, apply_runtime_options, check_output,
                          cli_warning, float_list, int_list, kv_length, load_engine, positive_int, seed_int,
                          write_output)
-from .evaluate import CATEGORIES, add_spd_metrics, kernel_backend
+from .evaluate import CATEGORIES, add_spd_metrics, check_prompts_fit, dtype_name, kernel_backend
 
 # the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
 decode_tokens = _int_at_least(2, "an integer >= 2 (the first token comes from the prefill, the rest are decoded)")
@@ -96,11 +96,15 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
 
             for m in args.num_stages:
                 validate_num_stages(eng.target.cfg.num_layers, m)
+            check_prompts_fit(eng, [(f"{j}", p) if args.prompt else (f"{j} of the held-out set", p)
+                                    for j, p in enumerate(prompts)],
+                              args.max_new_tokens, max(args.num_stages), True, "bench")
         sources.append(eng.draft_source)
         fingerprint = eng.target.fingerprint
-        eng.generate(prompts[0], max_new_tokens=4, method="spd")  # warm-up: first-call allocations
+        warm = min(4, args.max_new_tokens)  # no more than the runs ask for: what fits them fits the warm-up
+        eng.generate(prompts[0], max_new_tokens=warm, method="spd")  # warm-up: first-call allocations
         if i == 0:
-            eng.generate(prompts[0], max_new_tokens=4, method="ar")
+            eng.generate(prompts[0], max_new_tokens=warm, method="ar")
             for r in range(args.repeats):
                 for j, p in enumerate(bar(prompts, "bench AR", enabled=not quiet)):
                     o = eng.generate(p, seed=j, method="ar", **kw)
@@ -135,7 +139,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     from .store import DEFAULT_MODEL_NAME
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
-            "dtype": args.dtype, "prompts": len(prompts), "repeats": args.repeats,
+            "dtype": dtype_name(args.dtype), "prompts": len(prompts), "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": kernel_backend(),
             "model": args.model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "placement": args.placement,

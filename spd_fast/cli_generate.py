@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                           "draft": eng.draft_source if args.method == "spd" else None,
                           "model": str(eng.target.path), "metrics": out.metrics}))
         return 0
+    if hasattr(sys.stdout, "reconfigure"):  # a terminal or file in another encoding (Latin-1, cp1252) shows what it
+        sys.stdout.reconfigure(errors="replace")  # cannot encode as "?" instead of stopping mid-answer
     for chunk in eng.stream(prompt, **kw):
         sys.stdout.write(chunk)
         sys.stdout.flush()

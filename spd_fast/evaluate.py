@@ -191,6 +191,9 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
         if k == 0:  # every n against the model, before the first one's run
             for m in num_stages:
                 validate_num_stages(eng.target.cfg.num_layers, m)
+            check_prompts_fit(eng, [(f"{cat} {rec.get('id', i)}", [{"role": "user", "content": rec["prompt"]}])
+                                    for cat, ps in prompts.items() for i, rec in enumerate(ps)],
+                              max_new_tokens, max(num_stages), with_ar, "eval")
         sources.append(eng.draft_source)
         digests.append(eng.draft_digest)
         fingerprint = eng.target.fingerprint
@@ -232,9 +235,44 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             "draft": sources[0] if len(set(sources)) == 1 else sources,
             "draft_digest": digests[0] if len(set(digests)) == 1 else digests, "max_new_tokens": max_new_tokens,
             "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
-            "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": str(dtype),
+            "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": dtype_name(dtype),
             "device": str(device), "placement": placement, "kernels": kernel_backend(), "max_len": max_len}
     return {"meta": meta, "rows": rows}
+
+
+def dtype_name(dtype: Any) -> str:
+    """One spelling of a dtype for result files ("fp32", "float32" and torch.float32 are "float32"), so runs of
+    the same settings pair (compare_acceptance.py); a value parse_dtype refuses is kept as given."""
+    from .runtime import parse_dtype
+
+    try:  # "torch.float32": how earlier results recorded the API's dtype
+        return str(parse_dtype(dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype)).removeprefix("torch.")
+    except SpdConfigError:
+        return str(dtype)
+
+
+def check_prompts_fit(eng: Any, prompts: Sequence[tuple[str, Any]], max_new_tokens: int, max_n: int, with_ar: bool,
+                      command: str) -> None:
+    """Before any run of `command` (eval, bench): every prompt goes through the chat template, and the longest,
+    with its new tokens and the in-flight slots of the largest n, fits the KV cache (--max-len) and the model's
+    context; named with the --max-len it needs (the held-out prompts cannot be shortened). Each run checks its own
+    prompt too, but only once every earlier one has run."""
+    if getattr(eng.target.tokenizer, "chat_template", None) is None:
+        raise SpdConfigError(f"{command} asks its prompts through the model's chat template, and this model's "
+                             f"tokenizer has none (a base model); use a chat (instruct) model, or time a base model "
+                             f"with `spd-fast generate` on a plain-text prompt")
+    lens = [(name, len(eng.target.encode(msgs))) for name, msgs in prompts]
+    name, longest = max(lens, key=lambda x: x[1])
+    ctx = eng.target.cfg.max_position_embeddings
+    if longest + max_new_tokens > ctx:
+        raise SpdConfigError(f"prompt {name} ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                             f"model's context ({ctx} positions); lower --max-new-tokens to {ctx - longest}")
+    slots = max(max_n + 1, eng._extra_slots("ar") if with_ar else 0)
+    need = longest + max_new_tokens + slots
+    if need > eng.max_len:
+        raise SpdConfigError(f"prompt {name} ({longest} tokens) + --max-new-tokens {max_new_tokens} + {slots} in-flight "
+                             f"slots (n={max_n}) = {need} exceeds the KV cache length {eng.max_len}; pass --max-len "
+                             f"{need} (or more), or lower --max-new-tokens")
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -174,8 +174,12 @@ def test_eval_rows_pool_the_answers_counts(monkeypatch):
     counts = iter([(4, 2), (6, 6), (2, 0)] * 2)
 
     class Fake:
-        draft_source, draft_digest = "fake", "fake"
-        target = SimpleNamespace(cfg=SimpleNamespace(num_layers=30), fingerprint="f")
+        draft_source, draft_digest, max_len = "fake", "fake", 2048
+        target = SimpleNamespace(cfg=SimpleNamespace(num_layers=30, max_position_embeddings=8192), fingerprint="f",
+                                 tokenizer=SimpleNamespace(chat_template="{{ messages }}"), encode=lambda msgs: [1] * 9)
+
+        def _extra_slots(self, method):
+            return 0
 
         def generate(self, msgs, max_new_tokens, temperature, seed, method):
             ids, (ver, acc) = next(answers), next(counts)
@@ -345,6 +349,11 @@ def test_api_spellings_become_flags():
             ("bench", "use a limit of at most 40", "use --prompts 40 or fewer"),
             ("eval", "use a limit of at most 40", "use --limit 40 or fewer")]:
         assert cli in cli_message(api, p, command), (command, api)
+    import argparse  # a script with --num-stages and no -n (bench/eval_acceptance.py)
+
+    script = argparse.ArgumentParser()
+    script.add_argument("--num-stages")
+    assert "use --num-stages from 1 to 30" in cli_message("use 1 <= num_stages <= 30", script)
     with pytest.raises(SpdConfigError) as e:  # the real messages, as the library raises them
         from spd_fast.evaluate import load_eval_prompts
         load_eval_prompts(("chat",), 41)
@@ -892,7 +901,9 @@ def test_compare_acceptance_script(tmp_path, capsys):
     cases.append((str(tmp_path / "rowless.json"), "is not an evaluation result"))
     cases.append((run("m", [(10, 3)] * 20, model_fingerprint="other"), "differ in model_fingerprint"))
     # the fingerprint does not see the dtype: bf16 logits change the target's answers, not the head
-    cases.append((run("bf", [(10, 3)] * 20, dtype="torch.bfloat16"), "differ in dtype ('torch.float32' vs 'torch.bfloat16')"))
+    cases.append((run("bf", [(10, 3)] * 20, dtype="torch.bfloat16"), "differ in dtype ('float32' vs 'bfloat16')"))
+    # one dtype however spelt (the CLI's "fp32", the API's torch.float32): the runs pair
+    assert mod.main([a, run("fp", [(10, 3)] * 20, dtype="fp32")]) == 0
     (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
                                                                            "category": "math"}]}))
     cases.append((str(tmp_path / "old.json"), "predates them"))
@@ -967,6 +978,59 @@ def test_eval_and_bench_refuse_before_any_run_what_a_later_n_or_prompt_would_hit
     res = json.loads(out)
     assert rc == 0 and res["meta"]["categories"] == ["chat"], err
     assert [r["category"] for r in res["rows"]] == ["chat", "overall"]
+
+
+def test_eval_and_bench_check_every_prompt_fits_before_any_run(capsys, monkeypatch, tiny_checkpoint, tmp_path):
+    """A held-out prompt too long for --max-len stopped eval after every earlier prompt had run, naming neither it
+    nor the --max-len it needs; bench's warm-up asked 4 new tokens when the runs asked fewer, so a run that fit was
+    refused; both name a model without a chat template as such; dtypes are recorded under one spelling."""
+    import spd_fast.api
+
+    runs = []
+    orig = spd_fast.api.Engine.generate
+    monkeypatch.setattr(spd_fast.api.Engine, "generate", lambda self, *a, **k: runs.append(k) or orig(self, *a, **k))
+    rc, _, err = run_cli(["eval", "--limit", "40", "--categories", "chat,code", "--max-new-tokens", "64",
+                          "--max-len", "160", "--no-ar", "--draft", "random"], capsys)
+    assert rc == 2 and runs == [], err
+    assert re.search(r"prompt code \S+ \((\d+) tokens\) \+ --max-new-tokens 64 \+ 4 in-flight slots \(n=3\) = "
+                     r"(\d+) exceeds the KV cache length 160; pass --max-len \2 \(or more\)", err), err
+    rc, out, err = run_cli(["bench", "--prompt", "hi", "--max-new-tokens", "2", "-n", "2", "--draft", "random",
+                            "--max-len", "36", "--json"], capsys)  # 31 prompt tokens + 2 + 3 in-flight slots
+    assert rc == 0 and json.loads(out)["meta"]["dtype"] == "float32", err
+    assert max(k["max_new_tokens"] for k in runs) == 2
+    rc, out, err = run_cli(["eval", "--limit", "1", "--categories", "chat", "--max-new-tokens", "2", "--no-ar",
+                            "--draft", "random", "--dtype", "fp32", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["meta"]["dtype"] == "float32", err
+    import shutil
+
+    base = tmp_path / "base"  # a model whose tokenizer has no chat template
+    shutil.copytree(tiny_checkpoint("llama"), base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tc.items() if k != "chat_template"}))
+    runs.clear()
+    for cmd in (["eval", "--limit", "1", "--no-ar"], ["bench", "--prompt", "hi"]):
+        rc, _, err = run_cli(cmd + ["--max-new-tokens", "2", "--draft", "random", "--model", str(base)], capsys)
+        assert rc == 2 and f"{cmd[0]} asks its prompts through the model's chat template, and this model's tokenizer " \
+                           f"has none (a base model); use a chat (instruct) model" in err, err
+    assert runs == []
+
+
+def test_generate_prints_what_the_terminal_cannot_encode_as_replacements(capsys, monkeypatch):
+    """A Latin-1 or cp1252 stdout stopped the answer mid-stream with a UnicodeEncodeError traceback."""
+    import io
+
+    import spd_fast.api
+
+    monkeypatch.setattr(spd_fast.api.Engine, "stream", lambda self, *a, **k: iter(["caf\u00e9 ", "\u65e5\u672c!"]))
+    monkeypatch.setattr(spd_fast.api.Engine, "last_metrics", {}, raising=False)
+    monkeypatch.setattr(spd_fast.api.Engine, "last_finish_reason", "length", raising=False)
+    monkeypatch.setattr("spd_fast.cli_generate.summary_line", lambda *a: "summary")
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="latin-1"))
+    rc = main(["generate", "hi", "--max-new-tokens", "2", "--draft", "random"])
+    sys.stdout.flush()
+    assert rc == 0 and raw.getvalue().decode("latin-1") == "caf\u00e9 ??!\n"
 
 
 def test_report_skips_results_of_another_shape_with_a_note(tmp_path):

@@ -970,6 +970,10 @@ def test_stop_strings(default_target, method):
         with pytest.raises(SpdConfigError, match=r"stop string '\S*\ufffd' holds U\+FFFD, the replacement character, "
                                                  r"which the decoded text shows for an incomplete character; drop it"):
             eng.generate("Count:", 4, method=method, stop=bad)
+    # bytes that were not UTF-8 (a Latin-1 terminal) come as a lone surrogate, which no decoded text holds
+    with pytest.raises(SpdConfigError, match=r"stop string 'marsh\\udce9' is not valid Unicode text: .* lone "
+                                             r"surrogate .*pass UTF-8 text"):
+        eng.generate("Count:", 4, method=method, stop=["x", "marsh\udce9"])
     with pytest.raises(SpdConfigError, match="placement='distributed' takes no stop strings; pass their tokens as "
                                              "eos_ids"):
         spd_fast.generate("Count:", 4, placement="distributed", stop="x")
