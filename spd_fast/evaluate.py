@@ -246,7 +246,8 @@ def dtype_name(dtype: Any) -> str:
     from .runtime import parse_dtype
 
     try:  # "torch.float32": how earlier results recorded the API's dtype
-        return str(parse_dtype(dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype)).removeprefix("torch.")
+        parsed = parse_dtype(dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype)
+        return str(parsed).removeprefix("torch.")
     except SpdConfigError:
         return str(dtype)
 
@@ -270,8 +271,8 @@ def check_prompts_fit(eng: Any, prompts: Sequence[tuple[str, Any]], max_new_toke
     slots = max(max_n + 1, eng._extra_slots("ar") if with_ar else 0)
     need = longest + max_new_tokens + slots
     if need > eng.max_len:
-        raise SpdConfigError(f"prompt {name} ({longest} tokens) + --max-new-tokens {max_new_tokens} + {slots} in-flight "
-                             f"slots (n={max_n}) = {need} exceeds the KV cache length {eng.max_len}; pass --max-len "
+        raise SpdConfigError(f"prompt {name} ({longest} tokens) + --max-new-tokens {max_new_tokens} + {slots} "
+                             f"in-flight slots (n={max_n}) = {need} exceeds the KV cache length {eng.max_len}; pass --max-len "
                              f"{need} (or more), or lower --max-new-tokens")
 
 
