@@ -890,6 +890,7 @@ def test_a_new_engine_waits_for_a_decode_on_the_shared_model(default_target):
 
     b = (0, 15, 30)
     model = default_target.model
+    before = model.max_len  # given back at the end: later tests may read the shared model's caches directly
     Engine(default_target, None, b, 512, "random")
     built = []
     with model.decode_lock:  # as a generate() in progress holds it
@@ -899,6 +900,7 @@ def test_a_new_engine_waits_for_a_decode_on_the_shared_model(default_target):
         assert t.is_alive() and not built and model.max_len == 512  # the caches in use are untouched
     t.join(timeout=60)
     assert not t.is_alive() and len(built) == 1 and model.max_len == 300
+    model.setup_caches(1, before)
 
 
 @pytest.mark.parametrize("method", ["spd", "ar"])
