@@ -272,8 +272,8 @@ def check_prompts_fit(eng: Any, prompts: Sequence[tuple[str, Any]], max_new_toke
     need = longest + max_new_tokens + slots
     if need > eng.max_len:
         raise SpdConfigError(f"prompt {name} ({longest} tokens) + --max-new-tokens {max_new_tokens} + {slots} "
-                             f"in-flight slots (n={max_n}) = {need} exceeds the KV cache length {eng.max_len}; pass --max-len "
-                             f"{need} (or more), or lower --max-new-tokens")
+                             f"in-flight slots (n={max_n}) = {need} exceeds the KV cache length {eng.max_len}; "
+                             f"pass --max-len {need} (or more), or lower --max-new-tokens")
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

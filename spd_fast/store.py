@@ -285,13 +285,8 @@ def _prune_older_conversions(path: Path, keep: Path) -> None:
     source, host = str(path.resolve()), socket.gethostname()
     _drop_orphans(keep.parent)
     for d in keep.parent.iterdir():
-        if d == keep or d.name.startswith(".") or not _finished(d):
-            continue
-        try:
-            marker = json.loads((d / _MARKER).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(marker, dict) or marker.get("host") != host or not isinstance(marker.get("source"), str):
+        marker = None if d == keep or d.name.startswith(".") else read_marker(d)
+        if marker is None or marker.get("host") != host:
             continue
         # this file's earlier versions, and conversions of files that no longer exist here (a removed
         # environment's copy of the default model): each is a full copy of a model nothing can load again
