@@ -195,6 +195,7 @@ def _fake_conversion(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    monkeypatch.setattr(store, "_check_convertible", lambda path, cfg, sd: None)  # the fake tensors load nothing
     return store
 
 
@@ -293,6 +294,7 @@ def test_gguf_conversion_with_tokenizer_files_from_an_earlier_conversion(tmp_pat
     gguf.write_bytes(b"not read")
     monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: (
         {"tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}, {"w": torch.ones(2)}))
+    monkeypatch.setattr(store, "_check_convertible", lambda path, cfg, sd: None)  # the fake tensors load nothing
 
     def no_gguf_tokenizer(*a, **k):
         raise AssertionError("the tokenizer must come from tokenizer_from")
