@@ -12,7 +12,7 @@ from .engine import PipelineState, SPDEngine
 from .model import kv_bound_for
 from .ops import draft_sample, lookup_next
 from .pdm import DraftHead, draft_vocab_slots, gate_keeps_pdm
-from .sampling import MIN_TEMPERATURE, SamplingParams
+from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 
 
 class PdmDrafter:
@@ -46,7 +46,7 @@ class PdmDrafter:
         if params.greedy or scale == 1.0:
             return params
         if self._scaled is None or self._scaled[0] != (params, scale):
-            t = max(params.temperature * scale, MIN_TEMPERATURE)
+            t = min(max(params.temperature * scale, MIN_TEMPERATURE), MAX_TEMPERATURE)
             self._scaled = ((params, scale), dataclasses.replace(params, temperature=t))
         return self._scaled[1]
 

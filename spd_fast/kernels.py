@@ -121,13 +121,19 @@ def verify_greedy(target_logits: torch.Tensor, draft_token: torch.Tensor,
     return ops.verify_greedy_torch(target_logits, draft_token)
 
 
+def _top_k(params: SamplingParams, logits: torch.Tensor) -> int:
+    """top_k as the fused ops take it: one at or past the vocabulary keeps every token, as 0 does (a top_k past
+    2**63 - 1 would not fit their int64 argument)."""
+    return params.top_k if params.top_k < logits.shape[-1] else 0
+
+
 def verify_sampling(target_logits: torch.Tensor, draft_token: torch.Tensor, q: torch.Tensor, params: SamplingParams,
                     u: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling with explicit uniforms u [..., 2] (see ops_explicit.verify_sampling_explicit)."""
     if params.greedy:
         raise SpdConfigError("verify_sampling needs temperature > 0; greedy decoding uses verify_greedy")
     b = _pick("verify_sampling", backend, target_logits)
-    args = (params.temperature, params.top_k, params.top_p)
+    args = (params.temperature, _top_k(params, target_logits), params.top_p)
     if b == "triton":
         return _tk("verify").verify_sampling(target_logits.contiguous(), draft_token.long().contiguous(),
                                              q.contiguous(), *args, u.contiguous())
@@ -147,7 +153,7 @@ def draft_sample(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: 
     if u is None:
         raise SpdConfigError("sampled drafting needs its uniform random numbers u (see ops_explicit.uniforms)")
     b = _pick("draft_sample", backend, logits_d)
-    args = (vocab_size, params.temperature, params.top_k, params.top_p)
+    args = (vocab_size, params.temperature, _top_k(params, logits_d), params.top_p)
     if b == "triton":
         return _tk("draft_sample").draft_sample(logits_d.contiguous(), draft_vocab.long().contiguous(), *args,
                                                 u.contiguous())

@@ -52,7 +52,7 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sp = torch.softmax(sorted_x, dim=-1)
+        sp = torch.softmax(sorted_x.double(), dim=-1)  # fp64, as the fused ops: see sampling.probs_from_logits
         before = sp.cumsum(-1) - sp
         # each sorted position looks at the mass before the first member of its run of equal logits
         first = torch.ones_like(sorted_x, dtype=torch.bool)

@@ -16,6 +16,7 @@ from .config import SpdConfigError, check_seed
 
 MIN_TOP_P = 1e-30  # keeps the top token (and its ties) alone for any vocabulary below 1e30 tokens
 MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e30  # fp32 logits / t must stay finite: a t past fp32's range (3.4e38) is inf, and -inf / inf NaN
 
 
 def plain_number(v: object) -> object:
@@ -47,6 +48,10 @@ class SamplingParams:
         if 0 < t < MIN_TEMPERATURE:  # logits / t would overflow to inf and the probabilities to NaN
             raise SpdConfigError(f"temperature {t!r} is too small to sample with; use temperature=0 for greedy "
                                  f"decoding or a value >= {MIN_TEMPERATURE}")
+        if t > MAX_TEMPERATURE:
+            raise SpdConfigError(f"temperature {t!r} is too large to sample with (the logits divided by it leave "
+                                 f"fp32's range); use a value <= {MAX_TEMPERATURE:g}, which already samples "
+                                 "uniformly among the tokens top_k and top_p keep")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise SpdConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
@@ -71,7 +76,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sp = torch.softmax(sorted_x, dim=-1)
+        # fp64: an fp32 softmax of a 49k-token row sums to 1 + ~5e-6, enough to move the cut by a token
+        sp = torch.softmax(sorted_x.double(), dim=-1)
         # keep a token if the mass strictly before it is < top_p (the top token is always kept)
         drop_sorted = (sp.cumsum(-1) - sp) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

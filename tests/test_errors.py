@@ -428,6 +428,7 @@ def test_prompt_longer_than_cache(tiny_checkpoint):
     (dict(seed="x"), "seed must be an integer"),
     (dict(seed=2**70), r"seed 1180591620717411303424 is out of range; use an integer in \[-2\*\*63"),
     (dict(temperature=1e-40), "temperature 1e-40 is too small to sample with; use temperature=0 for greedy"),
+    (dict(temperature=1e39), r"temperature 1e\+39 is too large to sample with .* use a value <= 1e\+30"),
 ])
 def test_invalid_sampling_values(kw, msg):
     with pytest.raises(SpdConfigError, match=msg):

@@ -631,6 +631,54 @@ def test_a_signed_zero_tie_at_the_cut_is_kept_whole_on_every_backend(backend, cp
         assert torch.allclose(q, want, atol=1e-6, rtol=1e-6), (backend, x, q, want)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_a_nan_in_q_draws_the_correction_from_p_on_every_backend(backend, cpp):
+    """A NaN in the draft's q (a head whose fp16 logits overflowed) makes the residual's sum NaN, so the twin
+    draws the correction from p; Triton's tl.maximum dropped the NaN and drew from the rest of the residual."""
+    if backend == "triton":
+        triton_device("cpu")
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[-3.0, -2.0, 4.0, -1.0, 0.0, 1.2, -2.5, -4.0]])
+    p = probs_from_logits(logits, params)
+    q = p.clone()
+    q[0, 5], q[0, 0] = 0.0, float("nan")
+    q[0, 2] += p[0, 5]  # the residual without the NaN is all at token 5, p's 0.056
+    for u1 in (0.05, 0.4, 0.8):
+        u = torch.tensor([[0.5, u1]])
+        want = verify_sampling_explicit(logits, torch.tensor([0]), q, 1.0, 0, 1.0, u)
+        got = kernels.verify_sampling(logits, torch.tensor([0]), q, params, u, backend=backend)
+        assert int(want[1]) == 2 and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (u1, got)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_top_k_past_int64_keeps_every_token_on_every_backend(backend, cpp):
+    """SamplingParams takes any top_k >= 0 and one at or past the vocabulary is off; the fused ops' int64 argument
+    refused top_k >= 2**63 with "Expected a value of type 'int' ... found type 'int'"."""
+    if backend == "triton":
+        triton_device("cpu")
+    g = torch.Generator().manual_seed(3)
+    logits, u = torch.randn(1, 10, generator=g), torch.rand(1, 2, generator=g)
+    q = torch.softmax(torch.randn(1, 10, generator=g), -1)
+    big, off = SamplingParams(temperature=1.0, top_k=2**63), SamplingParams(temperature=1.0)
+    for fn, args in ((kernels.verify_sampling, (logits, torch.tensor([3]), q)),
+                     (kernels.draft_sample, (logits, torch.arange(10), 10))):
+        got, want = fn(*args, big, u if fn is kernels.verify_sampling else u[:, 0], backend=backend), \
+            fn(*args, off, u if fn is kernels.verify_sampling else u[:, 0], backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_top_p_cut_at_a_real_vocabulary_size_is_the_exact_rule():
+    """At V = 49,152 an fp32 softmax sums to about 1 + 4e-6: the twin's fp32 "mass before" moved the top-p cut and
+    dropped a token of p = 3.8e-4 whose exact mass before is 0.9499983 < 0.95 (the fused ops kept it)."""
+    V, T, p = 49152, 0.6, 0.95
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(V)) * 3
+    sx = torch.sort(logits[0].double() / T, descending=True).values
+    sp64 = torch.softmax(sx, -1)
+    want = int((sp64.cumsum(0) - sp64 < p).sum())
+    assert int((processed_probs(logits, T, 0, p) > 0).sum()) == want
+    assert int((probs_from_logits(logits, SamplingParams(temperature=T, top_p=p)) > 0).sum()) == want
+
+
 def test_a_top_p_under_fp32s_range_keeps_the_top_token_instead_of_nan():
     from spd_fast.sampling import MIN_TOP_P, probs_from_logits
 

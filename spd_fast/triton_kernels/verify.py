@@ -57,13 +57,18 @@ def _verify_sampling_kernel(p_logits, p_q, p_draft, p_u, p_accept, p_token, B, V
     o_v = tl.arange(0, BLOCK_V)[None, :]
     b_mass = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
     b_tot = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+    b_nan = tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
     for v0 in range(0, V, BLOCK_V):
         b_p = probs_block(p_rows, v0 + o_v, V, temperature, mx, thr, z)
         b_q = tl.load(p_qrows + v0 + o_v, mask=v0 + o_v < V, other=0.0)
-        b_mass += tl.maximum(b_p - b_q, 0.0)
+        b_d = b_p - b_q
+        b_mass += tl.maximum(b_d, 0.0)  # tl.maximum drops a NaN, so NaNs are counted apart
+        b_nan += (b_d != b_d).to(tl.int32)
         b_tot += b_p
     mass = tl.sum(b_mass, axis=1, keep_dims=True)
-    use_p = mass <= 0.0  # the residual max(0, p - q) has no mass: draw from p itself
+    # the residual max(0, p - q) has no mass, or a NaN (a draft head's overflowed q) makes its sum NaN as in the
+    # twin: draw from p itself
+    use_p = (mass <= 0.0) | (tl.sum(b_nan, axis=1, keep_dims=True) > 0)
     target = tl.load(p_u + 2 * o_r + 1) * tl.where(use_p, tl.sum(b_tot, axis=1, keep_dims=True), mass)
     run = tl.zeros([BLOCK_B, 1], tl.float32)
     count = tl.zeros([BLOCK_B, 1], tl.int32)
