@@ -323,6 +323,27 @@ def test_bad_device_is_refused_before_joining():
         init_rank("meta")
 
 
+def test_a_local_rank_past_the_nodes_gpus_is_refused_before_joining(monkeypatch):
+    """Each rank takes cuda:LOCAL_RANK; one past the node's GPU count failed in torch.cuda.set_device after joining,
+    a raw traceback on that rank while the others waited out the startup timeout."""
+    import torch
+
+    from spd_fast.distributed import launch
+
+    monkeypatch.setattr(launch, "parse_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda *a, **k: pytest.fail("joined"))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(launch.DistributedConfigError, match=r"LOCAL_RANK=2, but this node has 2 GPU\(s\) .*start "
+                                                            r"at most 2 processes on this node \(torchrun "
+                                                            r"--nproc-per-node 2\)"):
+        launch.init_rank("cuda")
+
+
 def test_boundaries_are_checked_before_joining():
     """The checks that need no checkpoint come before any rank waits for the others (no torchrun here)."""
     from spd_fast.config import SpdConfigError
@@ -540,10 +561,9 @@ def test_distributed_generate_takes_what_the_local_one_takes_and_refuses_ar_befo
     monkeypatch.setattr(spd_fast.api, "_cached_engine", no_load)
     with pytest.raises(SpdConfigError, match="placement='distributed' runs method='spd' only, got 'ar'"):
         spd_fast.generate("Hi", method="ar", placement="distributed")
-    eng = DistributedEngine.__new__(DistributedEngine)
-    eng.ctx = SimpleNamespace(rank=0)
-    eng.target = SimpleNamespace(eos_ids=(2,), cfg=SimpleNamespace(vocab_size=100), encode=lambda p: [5, 6])
-    eng.driver = SimpleNamespace(end_call=lambda: None)
+    eng = DistributedEngine(SimpleNamespace(rank=0), SimpleNamespace(n=2, boundaries=(0, 1, 2)), "random",
+                            SimpleNamespace(eos_ids=(2,), cfg=SimpleNamespace(vocab_size=100), encode=lambda p: [5, 6]),
+                            SimpleNamespace(end_call=lambda: None), None, None)
     seen = []
     eng.run_requests = lambda reqs: seen.extend(reqs) or [SimpleNamespace(token_ids=[1])] * len(reqs)
     eng.generate("Hi", max_new_tokens=np.int64(4), sampling_params=SamplingParams(temperature=0.5, seed=3))
@@ -552,6 +572,88 @@ def test_distributed_generate_takes_what_the_local_one_takes_and_refuses_ar_befo
     assert all(type(r.max_new_tokens) is int for r in seen)
     with pytest.raises(SpdConfigError, match="temperature given both on its own and in sampling_params"):
         eng.generate("Hi", temperature=0.5, sampling_params=SamplingParams())
+
+
+def fake_rank0_engine(run):
+    """Rank 0's DistributedEngine over a fake driver: `run` stands in for PipelineDriver.run."""
+    from types import SimpleNamespace
+
+    from spd_fast.distributed.engine import DistributedEngine
+
+    ends = []
+    target = SimpleNamespace(eos_ids=(2,), encode=lambda p: [5, 6], decode=lambda ids: "x" * len(ids),
+                             cfg=SimpleNamespace(vocab_size=100, max_position_embeddings=512))
+    model = SimpleNamespace(max_len=64, embed=None)
+    driver = SimpleNamespace(run=run, end_call=lambda: ends.append(1) or {}, model=model)
+    ctx = SimpleNamespace(rank=0, device="cpu")
+    return DistributedEngine(ctx, SimpleNamespace(n=2, boundaries=(0, 1, 2)), "random", target, driver, None,
+                             None), ends
+
+
+def result(n):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(token_ids=[7] * n, finished_by_eos=False, metrics={})
+
+
+def test_a_call_cut_off_midway_leaves_the_engine_refusing_every_later_one(monkeypatch):
+    """A call interrupted after its first message (a KeyboardInterrupt, a caught RankFailure) left the other ranks
+    out of step with rank 0; the next call read their stale reports as its own (a gloo abort, or "protocol out of
+    step"). Now every later call is refused at once with the reason; a refused request alone breaks nothing."""
+    import spd_fast.ar
+    from spd_fast.distributed.comm import RankFailure
+
+    monkeypatch.setattr(spd_fast.ar, "check_capacity", lambda *a, **k: None)
+    calls = []
+
+    def run(prompt, new, params, eos, gen):
+        calls.append(new)
+        if new == 3:
+            raise KeyboardInterrupt
+        return result(new)
+
+    eng, ends = fake_rank0_engine(run)
+    assert eng.generate("Hi", max_new_tokens=2).token_ids == [7, 7] and ends == [1]
+    with pytest.raises(SpdConfigError, match="runs method='spd' only"):  # refused before any message: still usable
+        eng.generate("Hi", method="ar")
+    assert eng.generate("Hi", max_new_tokens=1).token_ids == [7]
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate("Hi", max_new_tokens=3)
+    n_calls, n_ends = len(calls), len(ends)
+    for again in (lambda: eng.generate("Hi", max_new_tokens=2), lambda: eng.generate("Hi", method="ar")):
+        with pytest.raises(RankFailure, match=r"rank 0: this distributed engine is out of step with the other ranks "
+                                              r"since a call was cut off \(KeyboardInterrupt: \); restart the job"):
+            again()
+    assert (len(calls), len(ends)) == (n_calls, n_ends)  # nothing more was sent
+
+
+def test_rank0_runs_calls_from_several_threads_one_after_the_other(monkeypatch):
+    """The local engine holds the model's decode lock; rank 0 held none, so two threads' calls interleaved their
+    messages to the same ranks ("protocol out of step")."""
+    import threading
+    import time
+
+    import spd_fast.ar
+
+    monkeypatch.setattr(spd_fast.ar, "check_capacity", lambda *a, **k: None)
+    inside, overlaps = [], []
+
+    def run(prompt, new, params, eos, gen):
+        inside.append(1)
+        overlaps.append(len(inside))
+        time.sleep(0.05)
+        inside.pop()
+        return result(new)
+
+    eng, ends = fake_rank0_engine(run)
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(eng.generate(["a", "b"], max_new_tokens=2)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 3 and len(overlaps) == 6 and max(overlaps) == 1 and len(ends) == 3
 
 
 def test_distributed_cli_refuses_a_head_seed_for_a_trained_head(tmp_path, tiny_checkpoint):

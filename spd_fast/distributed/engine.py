@@ -8,6 +8,7 @@ the requests: rank 0 returns the outputs, the other ranks serve their stage and 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_dra
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
 from ..store import resolve_model_dir
-from .comm import Links
+from .comm import Links, RankFailure
 from .executor import PipelineDriver, StagePlan, StageWorker
 from .launch import (DistributedConfigError, RankContext, broadcast_from_rank0, check_same, gather_or_fail,
                      hostname, init_rank)
@@ -90,6 +91,23 @@ class DistributedEngine:
         self.boundaries = plan.boundaries
         self.target, self.driver, self.worker, self.links = target, driver, worker, links
         self.last_rank_stats: dict[int, list[float]] = {}
+        # rank 0: one call at a time (the ranks serve calls in order), as Engine.generate holds the model's decode
+        # lock; and once a call is cut off after its first message the ranks are out of step for good
+        self._lock = threading.RLock()
+        self._broken: str | None = None
+
+    def _talk(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), which messages the other ranks; anything that cuts it off (an error, a KeyboardInterrupt)
+        leaves their queues out of step with rank 0, so this engine refuses every later call."""
+        if self._broken is not None:
+            raise RankFailure(f"rank 0: this distributed engine is out of step with the other ranks since a call "
+                              f"was cut off ({self._broken}); restart the job (torchrun) to decode again")
+        try:
+            return fn(*args)
+        except BaseException as e:
+            if self.num_stages > 1:
+                self._broken = f"{type(e).__name__}: {e}"
+            raise
 
     @property
     def is_driver(self) -> bool:
@@ -106,6 +124,11 @@ class DistributedEngine:
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
+        with self._lock:
+            return self._generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, method, eos_ids, stop)
+
+    def _generate(self, prompt: Any, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  seed: int | None, method: str, eos_ids: Sequence[int], stop: Any) -> Any:
         from ..api import _as_batch, check_stop
         from ..ar import check_eos_ids
 
@@ -118,7 +141,7 @@ class DistributedEngine:
             eos = tuple(self.target.eos_ids) + check_eos_ids(eos_ids, self.target.cfg.vocab_size)
             reqs = [Request(tuple(self.target.encode(p)), max_new_tokens, params, eos) for p in prompts]
         except Exception:
-            self.driver.end_call()  # type: ignore[union-attr]
+            self._talk(self.driver.end_call)  # type: ignore[union-attr]
             raise
         outs = self.run_requests(reqs)
         return outs[0] if single else outs
@@ -129,25 +152,29 @@ class DistributedEngine:
 
     def run_requests(self, reqs: Sequence[Request]) -> Any:
         """Token-id requests (call on every rank; rank 0's list is the one that counts)."""
-        from ..api import GenerationOutput
         from ..ar import check_capacity, check_context, check_eos_ids, check_max_new_tokens, check_prompt_ids
 
         if not self.is_driver:
             self.worker.serve_call()  # type: ignore[union-attr]
             return None
-        drv = self.driver
-        vocab = self.target.cfg.vocab_size
-        try:  # every request is checked before the first is sent, so a bad one cannot strand the others
-            for r in reqs:
-                check_prompt_ids(r.prompt_ids, vocab)
-                check_max_new_tokens(r.max_new_tokens)
-                check_eos_ids(r.eos_ids, vocab)
-                check_capacity(drv.model, len(r.prompt_ids), r.max_new_tokens, extra=self.num_stages + 1)
-                check_context(self.target.cfg.max_position_embeddings, len(r.prompt_ids), r.max_new_tokens)
-        except Exception:
-            drv.end_call()
-            raise
-        outs = []
+        with self._lock:
+            drv, vocab = self.driver, self.target.cfg.vocab_size
+            try:  # every request is checked before the first is sent, so a bad one cannot strand the others
+                for r in reqs:
+                    check_prompt_ids(r.prompt_ids, vocab)
+                    check_max_new_tokens(r.max_new_tokens)
+                    check_eos_ids(r.eos_ids, vocab)
+                    check_capacity(drv.model, len(r.prompt_ids), r.max_new_tokens, extra=self.num_stages + 1)
+                    check_context(self.target.cfg.max_position_embeddings, len(r.prompt_ids), r.max_new_tokens)
+            except Exception:
+                self._talk(drv.end_call)
+                raise
+            return self._talk(self._decode, reqs)
+
+    def _decode(self, reqs: Sequence[Request]) -> list:
+        from ..api import GenerationOutput
+
+        drv, outs = self.driver, []
         for r in reqs:
             gen = make_generator(r.params, self.ctx.device)
             res = drv.run(list(r.prompt_ids), r.max_new_tokens, r.params, r.eos_ids, gen)

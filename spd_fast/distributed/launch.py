@@ -76,6 +76,10 @@ def init_rank(device: str = "cpu", timeout: float = 30.0, startup_timeout: float
         backend = dist.get_backend()
     else:
         rank, world, local = rendezvous_env()
+        if kind == "cuda" and local >= (gpus := torch.cuda.device_count()):  # before joining, which NCCL's would hang
+            raise DistributedConfigError(f"LOCAL_RANK={local}, but this node has {gpus} GPU(s) and each rank takes "
+                                         f"cuda:LOCAL_RANK; start at most {gpus} processes on this node "
+                                         f"(torchrun --nproc-per-node {gpus})")
         try:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=startup_timeout))
