@@ -113,30 +113,32 @@ class ArDecoder:
         self.result: DecodeResult | None = None
 
     def __iter__(self) -> Iterator[int]:
+        """Inference mode only around the prefill and each step, not across the yields: the caller's loop body (or
+        decode_ar's on_token) and anything after an iterator left unfinished run in its own mode."""
         model, dev = self.model, self.model.device
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            t0 = time.perf_counter()
             tok = next_token(prefill(model, self.prompt_ids), self.params, self.gen)
-            t1 = time.perf_counter()
-            out: list[int] = []
             pos = torch.tensor([[len(self.prompt_ids)]], device=dev)
-            finished = False
-            decode_time = 0.0
-            while True:
-                t = int(tok)
-                out.append(t)
-                yield t
-                if t in self.eos:
-                    finished = True
-                    break
-                if len(out) >= self.max_new or (self.stop_fn is not None and self.stop_fn(t)):
-                    break
-                ts = time.perf_counter()
-                with torch.inference_mode():
-                    logits = model(tok.view(1, 1), pos)[0, -1]
-                    tok = next_token(logits, self.params, self.gen)
-                    pos += 1
-                decode_time += time.perf_counter() - ts
+        t1 = time.perf_counter()
+        out: list[int] = []
+        finished = False
+        decode_time = 0.0
+        while True:
+            t = int(tok)
+            out.append(t)
+            yield t
+            if t in self.eos:
+                finished = True
+                break
+            if len(out) >= self.max_new or (self.stop_fn is not None and self.stop_fn(t)):
+                break
+            ts = time.perf_counter()
+            with torch.inference_mode():
+                logits = model(tok.view(1, 1), pos)[0, -1]
+                tok = next_token(logits, self.params, self.gen)
+                pos += 1
+            decode_time += time.perf_counter() - ts
         steps = max(1, len(out) - 1)  # decode steps after the prefill token
         self.result = DecodeResult(out, t1 - t0, decode_time, finished,
                                    {"ms_per_token": 1e3 * decode_time / steps,

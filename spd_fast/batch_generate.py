@@ -19,6 +19,9 @@ from .sampling import SamplingParams, next_token
 def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    params: SamplingParams, eos_ids: Sequence[int], generator: torch.Generator | None = None
                    ) -> list[list[int]]:
+    from .ar import check_max_new_tokens
+
+    check_max_new_tokens(max_new_tokens)  # 0 or less still returned each prompt's prefill token
     B = len(prompts)
     if not B:
         return []

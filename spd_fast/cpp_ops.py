@@ -42,12 +42,14 @@ CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
 def _source_key() -> str:
-    """The sources' bytes, the compiler flags and the torch version: ninja rebuilds by mtime and does not track
-    torch's headers, so a source put back with an older mtime, or a torch upgraded in place, would keep an old
-    library; a new key builds in a new directory instead."""
+    """The sources' bytes and directory, the compiler flags and the torch version: ninja rebuilds by mtime and
+    does not track torch's headers, so a source put back with an older mtime, or a torch upgraded in place, would
+    keep an old library; a new key builds in a new directory instead."""
     import hashlib
 
-    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__]).encode())
+    # and where the sources lie: torch's build file names them by absolute path, so two checkouts (a CI clone and
+    # a working tree) sharing one directory rebuilt it for each other, a minute or more inside another's load
+    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__, str(CSRC)]).encode())
     for src in SOURCES:
         h.update(src.read_bytes() if src.is_file() else b"missing")
     return h.hexdigest()[:10]

@@ -70,3 +70,23 @@ def test_top_k_top_p_processing():
     assert p[0] == 1.0
     p = probs_from_logits(logits, SamplingParams(temperature=2.0))
     torch.testing.assert_close(p, torch.softmax(logits / 2, -1))
+
+
+def test_the_ar_iterator_leaves_the_callers_code_out_of_inference_mode(tiny_checkpoint):
+    """ArDecoder held inference mode across its yields: the caller's loop body, decode_ar's on_token and anything
+    after an unfinished iterator made inference tensors (no autograd)."""
+    from spd_fast.ar import ArDecoder
+    from spd_fast.loading import load_hf_dir
+
+    m = load_hf_dir(tiny_checkpoint("llama"))
+    m.setup_caches(1, 64)
+    seen = []
+    ref = decode_ar(m, [1, 2, 3], 4, SamplingParams(), [],
+                    on_token=lambda t: seen.append(torch.is_inference_mode_enabled()))
+    assert seen == [False] * 4
+    it = iter(ArDecoder(m, [1, 2, 3], 4, SamplingParams(), []))
+    assert next(it) == ref.token_ids[0] and not torch.is_inference_mode_enabled()
+    x = torch.ones(2, requires_grad=True) * 2
+    assert not x.is_inference() and x.requires_grad
+    assert [next(it) for _ in range(3)] == ref.token_ids[1:]
+

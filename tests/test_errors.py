@@ -1287,6 +1287,9 @@ def test_batched_generation_refuses_an_empty_prompt_and_an_overlong_batch(tiny_c
     with pytest.raises(SpdConfigError, match=r"longest prompt 30 \+ max_new_tokens 4 exceeds the cache's max_len 32"):
         generate_batch(m, [[1] * 30], 4, SamplingParams(), [])
     assert generate_batch(m, [], 4, SamplingParams(), []) == []
+    for bad in (0, -5):  # returned each prompt's prefill token
+        with pytest.raises(SpdConfigError, match=rf"max_new_tokens must be an integer >= 1, got {bad}"):
+            generate_batch(m, [[1, 2]], bad, SamplingParams(), [])
 
 
 def test_a_stray_safetensors_file_with_the_same_tensors_is_named(tiny_checkpoint, tmp_path):

@@ -183,7 +183,11 @@ def test_cpp_build_directory_follows_the_sources_and_torch(tmp_path, monkeypatch
     os.utime(src, ns=(mtime, mtime))  # an older-or-equal mtime: ninja would not rebuild
     k2 = cpp_ops._source_key()
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")
-    assert len({k1, k2, cpp_ops._source_key()}) == 3
+    k3 = cpp_ops._source_key()
+    # another checkout's sources: torch's build file names them by absolute path, so two checkouts sharing one
+    # directory rebuilt it for each other (a CI clone's distributed ranks timed out loading, waiting on a rebuild)
+    monkeypatch.setattr(cpp_ops, "CSRC", tmp_path / "other-checkout" / "csrc")
+    assert len({k1, k2, k3, cpp_ops._source_key()}) == 4
 
 
 def test_packed_cpp_ops_have_fakes_for_torch_compile():
