@@ -131,7 +131,12 @@ class SPDEngine:
         self.model = target
         self.boundaries = validate_boundaries(tuple(boundaries), target.cfg.num_layers)
         self.n = len(self.boundaries) - 1
-        self.anchors = tuple(self.boundaries if anchors is None else anchors)
+        head = getattr(drafter, "head", None)  # a PDM drafter reads the anchors its head was trained on
+        own = tuple(head.dcfg.anchors) if head is not None else None
+        self.anchors = tuple(anchors) if anchors is not None else own if own is not None else self.boundaries
+        if own is not None and self.anchors != own:  # drafts from other depths' states: acceptance near 0
+            raise SpdConfigError(f"anchors {list(self.anchors)} differ from the draft head's {list(own)}; omit anchors "
+                                 f"(the head's are used) or load a head trained for these")
         L = target.cfg.num_layers
         if not self.anchors or self.anchors[0] != 0 or self.anchors[-1] > L or \
                 any(a >= b for a, b in zip(self.anchors, self.anchors[1:])):

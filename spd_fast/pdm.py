@@ -241,6 +241,11 @@ class DraftConfig:
                 not 1 <= d["num_layers"] <= d["base_num_layers"]:
             raise TypeError(f"num_layers must lie in 1..{d['base_num_layers']} (the target's depth), got "
                             f"{d['num_layers']}")
+        if isinstance(d.get("draft_vocab_size"), int):  # a bad size failed later in torch (a negative dimension)
+            top = d.get("base_vocab_size")  # or allocated a multi-GB LM head before the size check
+            if d["draft_vocab_size"] < 1 or (isinstance(top, int) and top > 0 and d["draft_vocab_size"] > top):
+                room = f"1..{top} (base_vocab_size)" if isinstance(top, int) and top > 0 else ">= 1"
+                raise TypeError(f"draft_vocab_size must lie in {room}, got {d['draft_vocab_size']}")
         if not isinstance(d.get("frozen_lm_head", True), bool):
             raise TypeError(f"frozen_lm_head must be true or false, got {d['frozen_lm_head']!r}")
         return DraftConfig(**d)
@@ -439,6 +444,11 @@ def load_draft(path: str | Path, target, fingerprint: str,
         sd = load_file(str(w_file))
     except Exception as e:
         raise DraftMismatchError(f"cannot read {w_file} ({e}); the file is truncated or corrupt") from e
+    dv_file = sd.get("draft_vocab")
+    if dv_file is not None and (dv_file.dtype.is_floating_point or dv_file.dtype == torch.bool):
+        # load_state_dict would cast it into the int64 buffer (0.7 -> 0) without a word
+        raise DraftMismatchError(f"{w_file}: its draft_vocab holds {dv_file.dtype} values, not integer token ids; "
+                                 f"re-save the head")
     head = DraftHead(dcfg, target_cfg, target.norm)
     try:
         missing, unexpected = head.load_state_dict(sd, strict=False)
@@ -446,7 +456,7 @@ def load_draft(path: str | Path, target, fingerprint: str,
         raise DraftMismatchError(f"{w_file} does not match its config ({str(e).splitlines()[-1].strip()}); "
                                  f"re-save the head") from None
     dv = head.draft_vocab
-    if (dv.dtype.is_floating_point or dv.numel() != dcfg.draft_vocab_size or int(dv.min()) < 0
+    if (dv.numel() != dcfg.draft_vocab_size or int(dv.min()) < 0
             or int(dv.max()) >= target_cfg.vocab_size or int(dv.unique().numel()) != dv.numel()):
         raise DraftMismatchError(f"{w_file}: its draft_vocab must hold {dcfg.draft_vocab_size} distinct token ids of "
                                  f"the model (0..{target_cfg.vocab_size - 1}); re-save the head")

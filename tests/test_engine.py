@@ -347,3 +347,18 @@ def test_a_random_head_takes_the_models_dtype_and_device_and_is_frozen(tiny_chec
     assert not head.training and not any(p.requires_grad for p in params)
     again = random_draft_head(m, dcfg, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(params, again.parameters()))
+
+
+def test_the_engine_reads_the_anchors_its_draft_head_was_trained_on(tiny_checkpoint):
+    """SPDEngine took its anchors from `anchors` or the boundaries, never from the PDM head: a head trained on
+    other anchors (same count) drafted from the wrong depths' states, silently (acceptance near 0)."""
+    from spd_fast.config import SpdConfigError
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    head = random_head(m, b, anchors=(0, 1, 5, 6))
+    assert SPDEngine(m, PdmDrafter(head), b).anchors == (0, 1, 5, 6)
+    with pytest.raises(SpdConfigError, match=r"anchors \[0, 2, 4, 6\] differ from the draft head's \[0, 1, 5, 6\]; "
+                                             r"omit anchors \(the head's are used\)"):
+        SPDEngine(m, PdmDrafter(head), b, b)
+    assert SPDEngine(m, ReferenceDrafter([1, 2], m.cfg.vocab_size), b).anchors == tuple(b)  # no head: the boundaries

@@ -806,6 +806,13 @@ def test_damaged_head_files_are_named(tiny_checkpoint, tmp_path):
          r"its draft_vocab must hold 50 distinct token ids of the model \(0..96\)"),
         (broken("dup", tensors={**sd, "draft_vocab": torch.cat([sd["draft_vocab"][:1], sd["draft_vocab"][:-1]])}),
          r"its draft_vocab must hold 50 distinct token ids"),
+        # a raw torch error ("negative dimension"), or a multi-GB LM head allocated before the size check
+        (broken("vneg", {**cfg, "draft_vocab_size": -1}), r"draft_vocab_size must lie in 1\.\.97 \(base_vocab_size\), "
+                                                          r"got -1"),
+        (broken("vbig", {**cfg, "draft_vocab_size": 10 ** 12}), r"draft_vocab_size must lie in 1\.\.97"),
+        # cast into the int64 buffer without a word (0.7 -> 0)
+        (broken("vfloat", tensors={**sd, "draft_vocab": sd["draft_vocab"].float() + 0.7}),
+         r"its draft_vocab holds torch.float32 values, not integer token ids; re-save the head"),
     ]:
         with pytest.raises(SpdConfigError, match=msg):
             load_draft(d, m, tg.fingerprint)
