@@ -362,7 +362,8 @@ def test_boundaries_are_checked_before_joining():
     from types import SimpleNamespace
 
     ended = []  # a refused call still releases the other ranks, which wait for its requests
-    eng.ctx, eng.driver = SimpleNamespace(rank=0), SimpleNamespace(end_call=lambda: ended.append(1))
+    eng = DistributedEngine(SimpleNamespace(rank=0), SimpleNamespace(n=2, boundaries=(0, 3, 6)), "random", None,
+                            SimpleNamespace(end_call=lambda: ended.append(1)), None, None)
     with pytest.raises(SpdConfigError, match="placement='distributed' takes no stop strings; pass their tokens as "
                                              "eos_ids"):
         eng.generate("hi", stop=["x"])
