@@ -65,10 +65,15 @@ TINY = ModelConfig("llama", 512, 64, 128, 6, 4, 2, 16, tie_word_embeddings=True)
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, seed: int = 0) -> Transformer:
     # a generator of its own: a capture that failed earlier can leave the default CUDA generator unusable, which
     # would fail every later section at its model's initialisation
+    # (built on the meta device: the modules' own initialisers would draw from the default generator)
     g = torch.Generator(device=device).manual_seed(seed)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):
         m = Transformer(cfg)
+    m = m.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives each use of a shared parameter its own tensor
+        m.lm_head.weight = m.embed.weight
+    with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, 0.0, 0.05, generator=g)

@@ -132,7 +132,9 @@ class SPDEngine:
         self.boundaries = validate_boundaries(tuple(boundaries), target.cfg.num_layers)
         self.n = len(self.boundaries) - 1
         head = getattr(drafter, "head", None)  # a PDM drafter reads the anchors its head was trained on
-        own = tuple(head.dcfg.anchors) if head is not None else None
+        head = getattr(head, "head", head)  # ReferenceDrafter(head=...) runs it through a PdmDrafter
+        dcfg = getattr(head, "dcfg", None)
+        own = tuple(dcfg.anchors) if dcfg is not None else None
         self.anchors = tuple(anchors) if anchors is not None else own if own is not None else self.boundaries
         if own is not None and self.anchors != own:  # drafts from other depths' states: acceptance near 0
             raise SpdConfigError(f"anchors {list(self.anchors)} differ from the draft head's {list(own)}; omit anchors "

@@ -362,3 +362,5 @@ def test_the_engine_reads_the_anchors_its_draft_head_was_trained_on(tiny_checkpo
                                              r"omit anchors \(the head's are used\)"):
         SPDEngine(m, PdmDrafter(head), b, b)
     assert SPDEngine(m, ReferenceDrafter([1, 2], m.cfg.vocab_size), b).anchors == tuple(b)  # no head: the boundaries
+    # a timing drafter runs its head through a PdmDrafter (bench/gpu_check.py): the same anchors
+    assert SPDEngine(m, ReferenceDrafter([1, 2], m.cfg.vocab_size, head=head), b).anchors == (0, 1, 5, 6)

@@ -324,6 +324,24 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
         assert r.returncode == 2 and "no CUDA device here" in r.stderr
 
 
+def test_gpu_check_models_draw_nothing_from_the_default_generator():
+    """A capture that failed leaves the default CUDA generator unusable ("Offset increment outside graph capture"),
+    and the GPU run's later sections all died at 0.0 s building their models: the modules' own initialisers drew
+    from it before the script's own generator was used. The CPU default generator stands in for it here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "bench/gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    m = gc.random_model(gc.TINY, "cpu", torch.float32, 64, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert m.lm_head.weight is m.embed.weight and not any(p.is_meta for p in m.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), gc.random_model(gc.TINY, "cpu", torch.float32, 64)
+                                                 .parameters()))
+
+
 def test_gpu_check_acceptance_file_errors(tmp_path):
     import importlib.util
 
