@@ -88,20 +88,33 @@ if [ "$TRAIN_S" -lt 60 ]; then
     say "no time left to train (DEADLINE $DEADLINE s); the new data are in \$OUT"; ls -la "$OUT"; exit 4
 fi
 
-# 2. train from the carried head
+# 2. train from the carried head; the best head so far goes to $OUT whenever it changes (every 15 s), so a call
+# the device tool cuts short (its limit is the device time left) still brings back a head and the log
+B="$S/run/best_head"
+sync_out() {
+    cp "$S/run/train_log.jsonl" "$OUT/" 2>/dev/null
+    [ -f "$B/draft.safetensors" ] || return 0
+    local m
+    m=$(stat -c %Y "$B/draft.safetensors") || return 0
+    [ "$m" = "$(cat "$S/synced" 2>/dev/null)" ] && return 0
+    rm -f "$OUT"/head.part_*
+    split -b 15M "$B/draft.safetensors" "$OUT/head.part_" && cp "$B/draft_config.json" "$OUT/" \
+        && { cp "$B/val.json" "$OUT/" 2>/dev/null; echo "$m" > "$S/synced"; }
+}
+rm -f "$S/synced"
+( while sleep 15; do sync_out; done ) &
+SYNC_PID=$!
 timeout $(( TRAIN_S + 90 )) $PY -m spd_fast.train --model "$S/model.gguf" --device "$DEVICE" --dtype bfloat16 --bf16 \
     --out "$S/run" --init "$S/init" --num-stages "$NUM_STAGES" --draft-layers "$DRAFT_LAYERS" --draft-vocab 16384 "${DATA[@]}" \
     --val $D/val_long_s21_256.jsonl.gz --val-limit 80 --steps 100000 --lr "$LR" --warmup 50 \
     --batch-tokens "$BATCH_TOKENS" --save-every 100 --time-budget "$TRAIN_S" --no-feature-cache --threads 8 $TRAIN_FLAGS \
-    2>&1 | grep -v '"step": [0-9]*[1-9]0, "epoch"' | tail -n 40
+    2>&1 | grep --line-buffered -v '"step": [0-9]*[1-9]0, "epoch"'   # no `| tail`: a killed pipeline prints nothing
 say "training finished (rc ${PIPESTATUS[0]})"
+kill "$SYNC_PID" 2>/dev/null
+wait "$SYNC_PID" 2>/dev/null
 
-# 3. what comes back (at most 8 files, 16 MiB each)
-B="$S/run/best_head"
-if [ -f "$B/draft.safetensors" ]; then
-    split -b 15M "$B/draft.safetensors" "$OUT/head.part_"
-    cp "$B/draft_config.json" "$B/val.json" "$OUT/"
-fi
-cp "$S/run/train_log.jsonl" "$OUT/" 2>/dev/null
+# 3. what comes back (at most 8 files, 16 MiB each): the best head's parts, its config and val.json, the log
+rm -f "$S/synced"
+sync_out
 ls -la "$OUT"
 say "done"
