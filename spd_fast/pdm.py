@@ -405,6 +405,12 @@ def read_draft_config(path: str | Path) -> DraftConfig:
         dcfg = DraftConfig.from_json(cfg_file.read_text(encoding="utf-8"))
     except DraftMismatchError:
         raise
+    except OSError as e:  # unreadable (permissions) or gone since the check above
+        raise DraftMismatchError(f"cannot read {cfg_file} ({type(e).__name__}: {e.strerror or e}); check its "
+                                 "permissions") from None
+    except RecursionError:  # JSON nested past Python's limit
+        raise DraftMismatchError(f"{cfg_file} is not a valid draft head config (JSON nested too deeply); re-save "
+                                 "the head or point draft= at another one") from None
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # ValueError: bad JSON or not UTF-8
         raise DraftMismatchError(f"{cfg_file} is not a valid draft head config ({type(e).__name__}: {e}); "
                                  "re-save the head or point draft= at another one") from e

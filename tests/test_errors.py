@@ -787,6 +787,8 @@ def test_damaged_head_files_are_named(tiny_checkpoint, tmp_path):
     for d, msg in [
         (broken("list", raw=b"[1, 2]"), r"not a valid draft head config \(TypeError: a draft head config is a JSON object"),
         (broken("bytes", raw=b"\xff\xfe{}"), r"not a valid draft head config \(UnicodeDecodeError"),
+        (broken("deep", raw=b"[" * 100000 + b"]" * 100000), r"not a valid draft head config \(JSON nested too "
+                                                               r"deeply\); re-save the head"),
         (broken("weights", {**cfg, "weights": 5}), r"'weights' must be a file name, got 5"),
         (broken("n", {**cfg, "num_stages": 3}), r"num_stages 3 disagrees with boundaries \[0, 3, 6\]"),
         (broken("anchors", {**cfg, "anchors": "0,3,6"}), r"anchors must be a non-empty list of layer indices "
@@ -1471,3 +1473,25 @@ def test_other_engine_settings_reuse_the_loaded_target(tiny_checkpoint, monkeypa
     eng.placement = "devices"
     spd_fast.generate([1, 2, 3], max_new_tokens=4, model=path, draft="random", dtype="bfloat16", max_len=80)
     assert len(loaded) == before + 1
+
+
+def test_an_unreadable_draft_config_is_named(tiny_checkpoint, tmp_path, monkeypatch):
+    """A draft_config.json that cannot be read (permissions) escaped as a raw PermissionError."""
+    from pathlib import Path
+
+    from spd_fast.pdm import read_draft_config
+
+    d = tmp_path / "head"
+    d.mkdir()
+    (d / "draft_config.json").write_text("{}")
+    real = Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name == "draft_config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(SpdConfigError, match=r"cannot read .*draft_config.json \(PermissionError: Permission denied\); "
+                                             r"check its permissions"):
+        read_draft_config(d)
