@@ -63,9 +63,9 @@ TINY = ModelConfig("llama", 512, 64, 128, 6, 4, 2, 16, tie_word_embeddings=True)
 
 
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, seed: int = 0) -> Transformer:
-    # a generator of its own: a capture that failed earlier can leave the default CUDA generator unusable, which
-    # would fail every later section at its model's initialisation
-    # (built on the meta device: the modules' own initialisers would draw from the default generator)
+    # a generator of its own, and the modules built on the meta device (their own initialisers would draw from the
+    # default generator): a capture that failed earlier can leave the default CUDA generator unusable, which would
+    # fail every later section at its model's initialisation
     g = torch.Generator(device=device).manual_seed(seed)
     torch.manual_seed(seed)
     with torch.device("meta"):

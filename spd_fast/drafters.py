@@ -39,6 +39,11 @@ class PdmDrafter:
         self._scaled: tuple[tuple[SamplingParams, float], SamplingParams] | None = None
         self._slot: torch.Tensor | None = None  # full vocab id -> row of the draft vocabulary (V_d if none)
 
+    @property
+    def anchors(self) -> tuple[int, ...]:
+        """The layers whose states the head was trained to read (SPDEngine takes these)."""
+        return tuple(self.head.dcfg.anchors)
+
     def draft_params(self, params: SamplingParams) -> SamplingParams:
         """What the head drafts with: the requested temperature times the head's calibrated
         draft_temperature_scale (verification uses the q this gives, so sampling stays exact)."""
@@ -164,6 +169,7 @@ class ReferenceDrafter:
         self.ref = torch.tensor(list(reference) + [0] * 4096)
         self.vocab_size, self.mode, self.p_right, self.seed = vocab_size, mode, p_right, seed
         self.head = PdmDrafter(head) if head is not None else None
+        self.anchors = self.head.anchors if self.head is not None else None  # its head's, as SPDEngine reads
         self.rng: torch.Generator | None = None
         self.right: torch.Tensor | None = None  # bernoulli: whether the draft of each position is right
 

@@ -45,7 +45,8 @@ class PipelineState:
 
 
 class Drafter(Protocol):
-    """Proposes the token at p_new + 1. Returns (token id [], q [V] or None for greedy)."""
+    """Proposes the token at p_new + 1. Returns (token id [], q [V] or None for greedy). A drafter whose head
+    reads fixed layers also has `anchors` (a tuple), which SPDEngine takes and checks."""
 
     def prefill(self, engine: "SPDEngine", state: PipelineState) -> None: ...
 
@@ -131,10 +132,7 @@ class SPDEngine:
         self.model = target
         self.boundaries = validate_boundaries(tuple(boundaries), target.cfg.num_layers)
         self.n = len(self.boundaries) - 1
-        head = getattr(drafter, "head", None)  # a PDM drafter reads the anchors its head was trained on
-        head = getattr(head, "head", head)  # ReferenceDrafter(head=...) runs it through a PdmDrafter
-        dcfg = getattr(head, "dcfg", None)
-        own = tuple(dcfg.anchors) if dcfg is not None else None
+        own = getattr(drafter, "anchors", None)  # a drafter with a PDM head reads the anchors it was trained on
         self.anchors = tuple(anchors) if anchors is not None else own if own is not None else self.boundaries
         if own is not None and self.anchors != own:  # drafts from other depths' states: acceptance near 0
             raise SpdConfigError(f"anchors {list(self.anchors)} differ from the draft head's {list(own)}; omit anchors "
