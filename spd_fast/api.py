@@ -19,7 +19,7 @@ from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_la
                      check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine, run_stepwise
-from .pdm import DraftConfig, DraftHead, load_draft, random_draft_head, read_draft_config
+from .pdm import DraftConfig, DraftHead, DraftMismatchError, load_draft, random_draft_head, read_draft_config
 from .runtime import Prompt, Target, check_text, is_token_ids, load_target, parse_device, parse_dtype
 from .sampling import SamplingParams, make_generator, plain_number
 
@@ -175,9 +175,13 @@ def shipped_head(target: Target, num_stages: int) -> Path | None:
     if not HEADS_DIR.is_dir():
         return None
     for d in sorted(HEADS_DIR.iterdir()):
-        cfg = d / "draft_config.json"
-        if cfg.is_file():
-            dc = DraftConfig.from_json(cfg.read_text())
+        if (d / "draft_config.json").is_file():
+            try:
+                dc = read_draft_config(d)
+            except DraftMismatchError as e:  # a damaged install: say which head, not a raw JSON/KeyError
+                raise DraftMismatchError(f"the shipped draft head {d.name} is damaged ({e}); reinstall spd_fast, "
+                                         "or pass draft= (a head directory or 'random') to skip the shipped "
+                                         "heads") from None
             if dc.base_fingerprint == target.fingerprint and dc.num_stages == num_stages:
                 return d
     return None

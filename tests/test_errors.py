@@ -1495,3 +1495,25 @@ def test_an_unreadable_draft_config_is_named(tiny_checkpoint, tmp_path, monkeypa
     with pytest.raises(SpdConfigError, match=r"cannot read .*draft_config.json \(PermissionError: Permission denied\); "
                                              r"check its permissions"):
         read_draft_config(d)
+
+
+def test_a_damaged_shipped_head_is_named(tmp_path, monkeypatch):
+    """A shipped head whose draft_config.json was damaged (a broken install) escaped shipped_head() as a raw
+    JSONDecodeError from every default generate(), naming no file."""
+    from types import SimpleNamespace
+
+    import spd_fast.api as api
+
+    good = api.HEADS_DIR / "smollm2-135m-instruct-n3"
+    heads = tmp_path / "heads"
+    shutil.copytree(good, heads / "a-good-one")
+    (heads / "b-broken").mkdir()
+    (heads / "b-broken" / "draft_config.json").write_text('{"format_version": ')
+    monkeypatch.setattr(api, "HEADS_DIR", heads)
+    with pytest.raises(SpdConfigError, match=r"the shipped draft head b-broken is damaged \(.*draft_config.json is not a "
+                                             r"valid draft head config.*\); reinstall spd_fast, or pass draft="):
+        api.shipped_head(SimpleNamespace(fingerprint="none"), 3)
+    shutil.rmtree(heads / "b-broken")  # the good one alone is found as before
+    fp = json.loads((good / "draft_config.json").read_text())["base_fingerprint"]
+    assert api.shipped_head(SimpleNamespace(fingerprint=fp), 3) == heads / "a-good-one"
+    assert api.shipped_head(SimpleNamespace(fingerprint=fp), 2) is None
