@@ -5,7 +5,7 @@
 #   bench/profile_nsys.sh [OUT_DIR] [bench/nsys_run.py options, e.g. --random-weights --num-stages 5]
 #
 # Open the report with `nsys-ui OUT_DIR/spd.nsys-rep`. NVTX ranges (spd.pre, spd.draft, spd.stage<s>,
-# spd.verify, spd.cycle_graph, spd.readback, ar.step) are on because SPD_FAST_NVTX=1 is set below.
+# spd.verify, spd.cycle_graph, spd.readback, ar.step, ar.prefill, ar.readback) are on because SPD_FAST_NVTX=1 is set below.
 set -euo pipefail
 OUT_DIR=${1:-bench/results/nsys}
 shift || true

@@ -2,7 +2,7 @@
 
 Turn them on with the environment variable SPD_FAST_NVTX=1 (read at import) or
 `spd_fast.profiling.set_nvtx(True)`. Ranges: spd.prefill, spd.pre, spd.draft, spd.stage{s},
-spd.verify, spd.cycle_graph (one graph replay), spd.readback, ar.step. They use the PyPI `nvtx`
+spd.verify, spd.cycle_graph (one graph replay), spd.readback, ar.step, ar.prefill, ar.readback. They use the PyPI `nvtx`
 package when it is installed (it also works without a GPU), else torch.cuda.nvtx on a CUDA build;
 when neither can be used, turning them on raises an error that says what to install.
 """
