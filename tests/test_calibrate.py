@@ -275,3 +275,57 @@ def test_empty_answers_score_no_padding_and_no_answer_at_all_is_an_error(tiny_ch
     with pytest.raises(SpdConfigError, match=r"none of the 2 --val samples has an answer token within the first 64 "
                                              r"tokens .*; pass held-out samples with answers and shorter prompts"):
         calibrate(FakeTarget(m), head, long, (1.0,), (1.0,), max_seq_len=64)
+
+
+def test_a_repeated_grid_value_is_scored_once(tiny_checkpoint):
+    """A scale or temperature given twice was summed twice into one cell: its acceptance doubled (above 1) and it
+    won best_scale, which --write then stored."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 3)
+    head = _head(m)
+    once = calibrate(FakeTarget(m), head, data, (0.7, 1.0), (0.5, 1.0, 2.0), batch_size=3, max_seq_len=64, lookup=2,
+                     gate_confidences=(1.0, 0.5), gate_ratios=(0.1,), copy_boosts=(1.0, 3.0))
+    twice = calibrate(FakeTarget(m), head, data, (0.7, 1.0, 0.7), (0.5, 0.5, 1.0, 2.0, 2.0), batch_size=3,
+                      max_seq_len=64, lookup=2, gate_confidences=(1.0, 0.5, 0.5), gate_ratios=(0.1, 0.1),
+                      copy_boosts=(1.0, 3.0, 1.0))
+    assert twice["acceptance"].keys() == once["acceptance"].keys()
+    for t, acc in once["acceptance"].items():
+        assert twice["acceptance"][t] == pytest.approx(acc), t
+    for k in ("mean", "best_scale", "rows", "top1"):
+        assert twice[k] == pytest.approx(once[k]), k
+    assert all(0 < v < 1 for acc in twice["acceptance"].values() for v in acc.values())
+    for k in ("lookup_gate", "copy_boost"):
+        assert json.dumps(twice[k], sort_keys=True) == json.dumps(once[k], sort_keys=True), k
+
+
+def test_cli_write_failures_are_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--write into a head directory that cannot take the new config failed with a raw traceback after the whole
+    run; a read-only directory is now refused before the run, and a write that fails anyway names the cause."""
+    import os
+
+    import spd_fast.train.calibrate as cal
+    from spd_fast.runtime import weights_fingerprint
+
+    ckpt = tiny_checkpoint("llama")
+    m = tiny_target(ckpt)
+    _head(m, weights_fingerprint(m)).save(tmp_path / "h")
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(s) + "\n" for s in _samples(m, 2, seed=3)))
+    args = [str(tmp_path / "h"), "--model", ckpt, "--val", str(val), "--scales", "1.0", "--temperatures", "0.7",
+            "--lookup", "0", "--write"]
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path / "h") else real_access(p, mode))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--write cannot replace" in err and "is not writable; copy the head somewhere writable" in err
+    monkeypatch.setattr(os, "access", real_access)
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "h" / "draft_config.json.tmp"))
+
+    monkeypatch.setattr(cal, "write_scale", refuse)
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "| scale | T=0.7 | mean |" in captured.out  # the figures were printed before the failed write
+    assert "the results were not all written (PermissionError: [Errno 13] Permission denied" in captured.err
+    assert "fix the path and run again" in captured.err and "Traceback" not in captured.err

@@ -159,6 +159,9 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in copy_boosts:
         if x is None or not valid_boost(x):
             raise SpdConfigError(f"copy boosts must be numbers in [0, {COPY_BOOST_MAX:g}], got {x!r}")
+    # a value given twice was scored twice into one cell (its acceptance doubled, and it won): each once
+    temperatures, scales, gate_confidences, gate_ratios, copy_boosts = (
+        tuple(dict.fromkeys(v)) for v in (temperatures, scales, gate_confidences, gate_ratios, copy_boosts))
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("base", "one_hot", "boost")}
     fired: list[tuple[float, float, bool, bool, bool]] = []
     pdm_right = 0
@@ -270,6 +273,19 @@ def _some_floats(text: str) -> list[float]:
     return vals
 
 
+def _check_writable(head: str | Path) -> None:
+    """--write replaces HEAD/draft_config.json through a temporary file beside it: refuse before the run
+    (minutes) when that cannot work, not with a traceback after it."""
+    import os
+
+    from ..config import SpdConfigError
+
+    d = Path(head)
+    if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+        raise SpdConfigError(f"--write cannot replace {d / 'draft_config.json'}: the directory {d} is not writable; "
+                             "copy the head somewhere writable and calibrate the copy, or leave out --write")
+
+
 def load_target_and_head(head_dir: str | Path, model: str | None = None, threads: int = 0):
     """The target (`model`, default the embedded one) and the head saved in `head_dir`, checked against it,
     for a teacher-forced scoring run on `threads` CPU threads (0: torch's default)."""
@@ -290,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
                formatter_class=argparse.RawDescriptionHelpFormatter, help_command="python -m spd_fast.train.calibrate")
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.txt/.parquet); repeatable")
-    p.add_argument("--val-limit", type=positive_int, default=140, help="use at most this many samples")
-    p.add_argument("--temperatures", type=_some_floats, default=list(DEFAULT_TEMPERATURES))
-    p.add_argument("--scales", type=_some_floats, default=list(DEFAULT_SCALES))
+    p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.json/.txt/.parquet, as the trainer's --data); repeatable")
+    p.add_argument("--val-limit", type=positive_int, default=140, help="use at most this many samples (default 140)")
+    p.add_argument("--temperatures", type=_some_floats, default=list(DEFAULT_TEMPERATURES),
+                   help=f"temperatures to fit the scale at (default {','.join(map(str, DEFAULT_TEMPERATURES))})")
+    p.add_argument("--scales", type=_some_floats, default=list(DEFAULT_SCALES),
+                   help=f"draft temperature scales to try (default {','.join(map(str, DEFAULT_SCALES))})")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP, metavar="K",
                    help=f"calibrate the lookup gate for context matches of K tokens (default {DEFAULT_LOOKUP}, "
                         "the runtime's default; 0 skips it)")
@@ -306,12 +324,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="store the best scale (and lookup gate) in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
+    for k in ("temperatures", "scales", "gate_confidences", "gate_ratios", "copy_boosts"):  # as calibrate() reads them
+        setattr(a, k, list(dict.fromkeys(getattr(a, k))))
     try:
         from .data import read_val_samples
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
         check_output(a.out, "--out")
+        if a.write:
+            _check_writable(a.head)
         target, head = load_target_and_head(a.head, a.model, a.threads)
         samples = [r for r in read_val_samples(a.val, target) if r["response_ids"]][: a.val_limit]
         res = calibrate(target, head, samples, a.temperatures, a.scales,
@@ -348,27 +370,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | " + " | ".join(f"{acc[str(t)]:.4f}" for t in a.temperatures)
                   + f" | {sum(acc.values()) / len(acc):.4f} |")
         print(f"best: {'one-hot' if cb['best'] is None else 'boost ' + str(cb['best'])} ({cb['best_mean']:.4f})")
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    if a.write:
-        if gate and not gate["rows_matched"]:  # no evidence: its "best" would be no gate at all
-            print(f"no validation row's {a.lookup} newest tokens occurred earlier in its context, so the lookup gate "
-                  f"is not fitted; pass longer --val samples (repetitive ones, such as code) to fit it")
-            gate = None
-        if cb:
-            boost = cb["best"]
-        elif a.lookup > 0 and not a.copy_boosts:  # "--copy-boosts ''": one-hot copies, as its help says
-            boost = None
-        else:
-            boost = _KEEP
-        write_scale(a.head, res["best_scale"], gate["best"] if gate else None, boost)
-        kept = [name for name, fitted in (("lookup gate", gate), ("copy boost", boost is not _KEEP)) if not fitted]
-        print(f"wrote draft_temperature_scale={res['best_scale']}"
-              + (f", lookup_gate_confidence={gate['best'][0]}, lookup_gate_ratio={gate['best'][1]}" if gate else "")
-              + (f", lookup_copy_boost={boost}" if boost is not _KEEP else "")
-              + f" to {Path(a.head) / 'draft_config.json'}"
-              + (f" (kept as they were: {', '.join(kept)})" if kept else ""))
+    try:
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=2))
+        if a.write:
+            _write(a, res, gate, cb)
+    except (OSError, SpdConfigError) as e:  # the run is done: say what was not written and why, no traceback
+        what = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else cli_message(e, p)
+        print(f"spd_fast.train.calibrate: error: the results were not all written ({what}); the figures above are "
+              "the run's: fix the path and run again", file=sys.stderr)
+        return 2
     return 0
+
+
+def _write(a: argparse.Namespace, res: dict, gate: dict | None, cb: dict | None) -> None:
+    """--write: the fitted calibration into the head's draft_config.json."""
+    if gate and not gate["rows_matched"]:  # no evidence: its "best" would be no gate at all
+        print(f"no validation row's {a.lookup} newest tokens occurred earlier in its context, so the lookup gate "
+              f"is not fitted; pass longer --val samples (repetitive ones, such as code) to fit it")
+        gate = None
+    if cb:
+        boost = cb["best"]
+    elif a.lookup > 0 and not a.copy_boosts:  # "--copy-boosts ''": one-hot copies, as its help says
+        boost = None
+    else:
+        boost = _KEEP
+    write_scale(a.head, res["best_scale"], gate["best"] if gate else None, boost)
+    kept = [name for name, fitted in (("lookup gate", gate), ("copy boost", boost is not _KEEP)) if not fitted]
+    print(f"wrote draft_temperature_scale={res['best_scale']}"
+          + (f", lookup_gate_confidence={gate['best'][0]}, lookup_gate_ratio={gate['best'][1]}" if gate else "")
+          + (f", lookup_copy_boost={boost}" if boost is not _KEEP else "")
+          + f" to {Path(a.head) / 'draft_config.json'}"
+          + (f" (kept as they were: {', '.join(kept)})" if kept else ""))
 
 
 if __name__ == "__main__":
