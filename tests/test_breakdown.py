@@ -1,5 +1,6 @@
 """Acceptance breakdown (scripts/acceptance_breakdown.py): which drafts count as verified, and the
 recorded counts against the engine's own on the default model."""
+import pytest
 import torch
 
 import spd_fast
@@ -78,3 +79,57 @@ def test_recorder_counts_a_gated_match_as_a_pdm_draft(tiny_checkpoint):
         counts[gate] = (sum(matched), sum(fired))
     assert counts[(1.0, 0.0)][0] == counts[(1.0, 0.0)][1] > 0      # ungated: every match is copied
     assert counts[(0.0, 1.0)][1] < counts[(0.0, 1.0)][0]            # gated: some matches are the PDM's drafts
+
+
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "acceptance_breakdown.py"
+    spec = importlib.util.spec_from_file_location("acceptance_breakdown_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_breakdown_script_refuses_bad_input_before_loading_and_keeps_dotted_names(default_target, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The script gave raw tracebacks (--limit 0 or past the prompt files, after the model had loaded), a KeyError
+    when no draft was verified, and wrote --out x_t0.7 as x_t0.json/.md (two runs overwrote each other)."""
+    import json
+
+    from spd_fast import evaluate
+
+    mod = _script()
+    (tmp_path / "f").write_text("")
+    for argv, msg in ((["--limit", "41"], "limit 41 is more than the 40 chat prompts there are"),
+                      (["--out", str(tmp_path / "f" / "x")], "--out")):
+        assert mod.main(argv + ["--max-new-tokens", "2"]) == 2  # a check that let it through ends in seconds
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+    for argv, msg in ((["--limit", "0"], "--limit"), (["--max-new-tokens", "1"], "--max-new-tokens"),
+                      (["--lookup", "-1"], "--lookup")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    out = tmp_path / "bd_t0.7"
+    assert mod.main(["--limit", "1", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    res = json.loads((tmp_path / "bd_t0.7.json").read_text())
+    assert res["engine"]["verifications"] == res["counts"]["overall"]["verified"] == 3  # one draft per prompt
+    assert res["meta"]["max_new_tokens"] == 2 and "| overall | 3 |" in (tmp_path / "bd_t0.7.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bd_t0.7.json", "bd_t0.7.md", "f"]
+    # every answer ending at its first token (EOS) leaves no verified draft and no "overall" count at all
+    monkeypatch.setattr(evaluate, "acceptance_breakdown",
+                        lambda *a, **k: {"counts": {}, "engine": {"verifications": 0, "accepted": 0}})
+    assert mod.main(["--limit", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "empty")]) == 0
+    assert "no draft was verified" in (tmp_path / "empty.md").read_text()
+
+
+def test_breakdown_script_lists_every_count_it_records():
+    """The markdown table left out the "<window> / repeated 4-gram" counts that the JSON holds."""
+    from spd_fast.evaluate import WINDOWS as STARTS
+
+    mod = _script()
+    assert [window_label(a) for a in STARTS] == list(mod.WINDOWS)  # the labels the counts are recorded under
+    for w in mod.WINDOWS:
+        assert f"{w} / repeated 4-gram" in mod.ORDER and f"{w} / new 4-gram" in mod.ORDER
