@@ -26,18 +26,20 @@ from spd_fast.config import SpdConfigError
 
 # the draft and the lookup may differ: that is what is compared (older results lack model_fingerprint: not checked)
 _SAME = {"max_new_tokens": "--max-new-tokens", "limit": "--limit", "categories": "--categories", "seed": "--seed",
-         "model_fingerprint": "--model", "dtype": "--dtype"}  # bf16 logits change the target's own answers
+         "model_fingerprint": "--model", "dtype": "--dtype",  # bf16 logits change the target's own answers
+         "device": "--device"}  # so do a GPU's kernels: prompt i would not be the same answer in both runs
 
 
 def _load(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise SpdConfigError(f"{path} does not exist; pass the .json file that bench/eval_acceptance.py --out wrote")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise SpdConfigError(f"{path} {what}; pass the .json file that bench/eval_acceptance.py --out wrote")
     try:
         res = json.loads(p.read_text())
         rows = res["rows"]
         ok = isinstance(rows, list) and all(isinstance(r, dict) and {"n", "temperature", "category"} <= r.keys()
-                                            for r in rows)
+                                            for r in rows) and isinstance(res.get("meta", {}), dict)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         ok = False
     if not ok:
@@ -46,6 +48,13 @@ def _load(path: str) -> dict:
     if rows and not any("per_prompt" in r for r in rows):
         raise SpdConfigError(f"{path} has no per-prompt counts (it predates them); run the evaluation again "
                              "with this version of bench/eval_acceptance.py")
+    for r in rows:  # [verified, accepted] per prompt, as evaluate writes them
+        pp = r.get("per_prompt", [])
+        if not isinstance(pp, list) or not all(isinstance(x, list) and len(x) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x) and x[1] <= x[0] for x in pp):
+            raise SpdConfigError(f"{path}: the per_prompt counts of row ({r['n']}, {r['temperature']}, "
+                                 f"{r['category']}) are not [verified, accepted] pairs of counts; the file is damaged "
+                                 "or was edited: run the evaluation again")
     return res
 
 
@@ -90,6 +99,8 @@ def compare(base: dict, new: dict, prompts: slice | None = None) -> list[dict]:
     for m in (mb, mn):  # results written before dtypes had one spelling ("fp32", "torch.float32")
         if "dtype" in m:
             m["dtype"] = dtype_name(m["dtype"])
+        if isinstance(m.get("device"), str):  # "cuda" and "cuda:0" are the same kind of device
+            m["device"] = m["device"].split(":")[0]
     for k, flag in _SAME.items():
         if k in mb and k in mn and mb[k] != mn[k]:
             raise SpdConfigError(f"the two runs differ in {k} ({mb[k]!r} vs {mn[k]!r}): a paired comparison needs "

@@ -904,11 +904,27 @@ def test_compare_acceptance_script(tmp_path, capsys):
     cases.append((run("bf", [(10, 3)] * 20, dtype="torch.bfloat16"), "differ in dtype ('float32' vs 'bfloat16')"))
     # one dtype however spelt (the CLI's "fp32", the API's torch.float32): the runs pair
     assert mod.main([a, run("fp", [(10, 3)] * 20, dtype="fp32")]) == 0
+    # a GPU's kernels change the target's answers as bf16 does; "cuda" and "cuda:0" are one kind of device
+    cpu = run("cpu", [(10, 3)] * 20, device="cpu")
+    cases.append((run("gpu", [(10, 3)] * 20, device="cuda"), "differ in device ('cpu' vs 'cuda')"))
+    assert mod.main([run("g0", [(10, 3)] * 20, device="cuda:0"), run("g", [(10, 3)] * 20, device="cuda")]) == 0
+    a_cpu = cpu
+    (tmp_path / "dir.json").mkdir()
+    cases.append((str(tmp_path / "dir.json"), "dir.json is a directory; pass the .json file"))
+    (tmp_path / "nullmeta.json").write_text(json.dumps({"meta": None, "rows": json.loads(Path(a).read_text())["rows"]}))
+    cases.append((str(tmp_path / "nullmeta.json"), "is not an evaluation result"))
+    for bad in ([[15]], [[10, 11]], [[-1, 0]], [["10", "3"]], 7):
+        f = run("pp", [(10, 3)] * 20)
+        data = json.loads(Path(f).read_text())
+        data["rows"][0]["per_prompt"] = bad
+        Path(f).write_text(json.dumps(data))
+        assert mod.main([a, f]) == 2
+        assert "are not [verified, accepted] pairs of counts; the file is damaged" in capsys.readouterr().err, bad
     (tmp_path / "old.json").write_text(json.dumps({"meta": meta, "rows": [{"n": 3, "temperature": 0.0,
                                                                            "category": "math"}]}))
     cases.append((str(tmp_path / "old.json"), "predates them"))
     for path, msg in cases:
-        assert mod.main([a, path]) == 2
+        assert mod.main([a_cpu if "device" in msg else a, path]) == 2
         assert msg in capsys.readouterr().err, (path, msg)
     other = run("e", [(10, 3)] * 20)
     data = json.loads(Path(other).read_text())
