@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -1485,3 +1486,33 @@ def test_dedupe_prompts_survives_a_killed_writer_and_matches_prompt_ids(tmp_path
         r = _run_dedupe(tmp_path, *args, "--out", "out2.jsonl")
         assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert not (tmp_path / "out2.jsonl").exists() and not (tmp_path / "out2.jsonl.tmp").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_target_trains_from_the_feature_cache(tiny_checkpoint, tmp_path, dtype):
+    """`--dtype bfloat16` (or float16) with the default feature cache died on the first step: the cached h^L went
+    through the target's final norm as fp32 and met the target's half-precision LM-head rows in F.linear. The
+    cached loss now follows the live teacher's."""
+    from spd_fast.train.features import build_feature_cache
+    from spd_fast.train.trainer import collate_cached
+
+    torch.manual_seed(0)
+    m = tiny_target(tiny_checkpoint("llama"))
+    data = _samples(m, 6)
+    m = m.to(dtype)
+    dcfg = DraftConfig.make(m.cfg, (0, 3, 6), (0, 2, 3), 1, 97)
+    head = init_from_target(DraftHead(dcfg, m.cfg, m.norm), m).float()
+    tr = PdmTrainer(m, head, TrainConfig(fill_aug=0.0))
+    cache = build_feature_cache(m, "tiny", data, tmp_path / "fc", dcfg.anchors, 64, progress=False)
+    batch, cached = collate_cached([dict(s, _idx=i) for i, s in enumerate(data)], 64, cache)
+    with torch.no_grad():
+        live, _ = tr.loss(*batch, fill=None)
+        fast, _ = tr.loss(*batch, fill=None, cached=cached)
+    assert torch.isfinite(fast)
+    torch.testing.assert_close(fast, live, atol=3e-2, rtol=3e-2)  # h^L stored in fp16, half-precision teacher
+    logs = []
+    train(FakeTarget(m), data, tmp_path / "run", num_stages=3, draft_vocab_size=50, log=logs.append,
+          cfg=TrainConfig(steps=2, batch_tokens=256, max_seq_len=64, warmup=1), feature_cache=True)
+    steps = [json.loads(x) for x in logs if x.startswith("{") and '"loss"' in x]
+    assert [d["step"] for d in steps] == [1, 2] and all(math.isfinite(d["loss"]) for d in steps), logs
+    assert (tmp_path / "run" / "head" / "draft_config.json").is_file()

@@ -331,8 +331,11 @@ class PdmTrainer:
         over V_d, or (from_cache) h^L, turned into them here with the frozen final norm and LM-head rows."""
         s_logits = self.head.draft_logits(rows)                                            # [c, V_d] fp32
         with torch.no_grad():
-            t_logp = (torch.log_softmax(F.linear(self.target.norm(teacher), self._teacher_lm_head()).float(), -1)
-                      if from_cache else teacher)
+            if from_cache:  # in the target's dtype, as its live forward runs (a bf16 target's rows met fp32 here)
+                w = self._teacher_lm_head()
+                t_logp = torch.log_softmax(F.linear(self.target.norm(teacher.to(w.dtype)), w).float(), -1)
+            else:
+                t_logp = teacher
             p_t = t_logp.exp()
             ent = -(p_t * t_logp).sum()
             s_arg = s_logits.argmax(-1)
