@@ -743,3 +743,40 @@ def test_a_time_budget_counts_the_time_a_resumed_run_spent(full_vocab_checkpoint
     again = torch.load(out / "trainer_state.pt", weights_only=False)
     assert rc == 0 and again["budget_done"] and again["step"] == again["total_steps"] == 30, err
     assert again["train_seconds"] > 590.0
+
+
+def test_greedy_answers_are_reused_under_another_seed_and_free_their_caches(full_vocab_checkpoint, tmp_path, capsys):
+    """Greedy self-distilled answers (no generator draws them) were refused after a --seed change, with advice to
+    delete and regenerate byte-identical answers; sampled ones still are. The generation-sized KV caches that
+    self-distillation left behind then sized the first teacher batch of the cache build (28x its need)."""
+    from spd_fast.runtime import load_target
+    from spd_fast.train.data import self_distill
+    from spd_fast.train.features import build_feature_cache
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    base = small(full_vocab_checkpoint, tmp_path / "o", "--prompts", str(prompts), "--gen-batch", "4",
+                 "--gen-max-new-tokens", "4", "--steps", "1", "--no-resume")
+    assert run(base, capsys)[0] == 0
+    answers = (tmp_path / "o" / "self_distill.jsonl").read_bytes()
+    rc, err = run(base + ["--seed", "7"], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "o" / "self_distill.jsonl").read_bytes() == answers  # reused, not made again
+    sampled = small(full_vocab_checkpoint, tmp_path / "s", *base[base.index("--prompts"):], "--gen-temperature", "0.7")
+    assert run(sampled + ["--seed", "1"], capsys)[0] == 0
+    rc, err = run(sampled + ["--seed", "2"], capsys)
+    assert rc == 2 and "holds answers made with other settings (seed 1 vs 2)" in err, err
+
+    target = load_target(full_vocab_checkpoint)
+    m = target.model
+    self_distill(target, [{"id": "q", "prompt": "Say hi."}], tmp_path / "sd.jsonl", max_new_tokens=4, batch_size=64,
+                 progress=False)
+    assert m.layers[0].attn.k_cache is None and m.max_len == 0  # freed
+    m.setup_caches(64, 300)  # as a generation pass leaves them
+    sizes = []
+    real = m.setup_caches
+    m.setup_caches = lambda b, n: sizes.append((b, n)) or real(b, n)
+    rows = [json.loads(x) for x in (tmp_path / "o" / "self_distill.jsonl").read_text().splitlines()]
+    build_feature_cache(m, "fp", rows, tmp_path / "fc", (0, 1, 2), 64, progress=False)
+    longest = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    assert sizes and all(n <= longest for _, n in sizes), (sizes, longest)

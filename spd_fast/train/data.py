@@ -145,9 +145,11 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
         except ValueError:
             raise SpdConfigError(f"{meta_path} (the settings of the answers in {out_path.name}) is unreadable; "
                                  f"delete both files to make new answers, or use another --out") from None
-        # a sidecar written before model_identity existed is checked on the rest (its sampled fingerprint)
+        # a sidecar written before model_identity existed is checked on the rest (its sampled fingerprint); greedy
+        # answers do not depend on the seed (no generator draws them), so another --seed reuses them
         diff = [f"{k} {old.get(k)!r} vs {v!r}" for k, v in meta.items()
-                if old.get(k) != v and not (k in ("model_identity", "dtype") and k not in old)]
+                if old.get(k) != v and not (k in ("model_identity", "dtype") and k not in old)
+                and not (k == "seed" and temperature == 0 and old.get("temperature") == 0)]
         if diff:
             raise SpdConfigError(f"{out_path} holds answers made with other settings ({'; '.join(diff)}); delete it "
                                  f"(and {meta_path.name}) to make new ones, or use another --out")
@@ -163,14 +165,20 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     params = SamplingParams(temperature=temperature, seed=seed)
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
     longest = max((len(e) for _, e in enc), default=0)
+    if not enc:
+        return out_path
     target.model.setup_caches(batch_size, longest + max_new_tokens + 1)
     batches = [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
-    with open(out_path, "a") as f:
-        for batch in bar(batches, "self-distillation", enabled=progress):
-            outs = generate_batch(target.model, [e for _, e in batch], max_new_tokens, params, target.eos_ids, gen)
-            for (pid, e), o in zip(batch, outs):
-                f.write(json.dumps({"id": pid, "prompt_ids": e, "response_ids": o}) + "\n")
-            f.flush()
+    try:
+        with open(out_path, "a") as f:
+            for batch in bar(batches, "self-distillation", enabled=progress):
+                outs = generate_batch(target.model, [e for _, e in batch], max_new_tokens, params, target.eos_ids,
+                                      gen)
+                for (pid, e), o in zip(batch, outs):
+                    f.write(json.dumps({"id": pid, "prompt_ids": e, "response_ids": o}) + "\n")
+                f.flush()
+    finally:  # sized for generation (batch x longest answer): the teacher passes after this size their own
+        target.model.free_caches()
     return out_path
 
 

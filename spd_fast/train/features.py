@@ -133,6 +133,7 @@ def build_feature_cache(model: Transformer, fingerprint: str, samples: Sequence[
     argmax = np.lib.format.open_memmap(d / "argmax.npy", mode="w+" if fresh else "r+", dtype=np.int32, shape=(N,))
     done = np.zeros(len(seqs), dtype=bool) if fresh or done_before is None else done_before
     todo = sorted((i for i in range(len(seqs)) if not done[i]), key=lambda i: len(seqs[i]))
+    model.free_caches()  # caches left by an earlier pass (self-distillation's, generation-sized) would set the size
     batches, cur = [], []
     for i in todo:  # similar lengths together: little padding
         if cur and len(seqs[i]) * (len(cur) + 1) > batch_tokens:
