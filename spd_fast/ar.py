@@ -14,6 +14,14 @@ from .model import Transformer
 from .sampling import SamplingParams, next_token
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Block until `device` has run the work queued on it: a CUDA step returns once its kernels are launched, so a
+    clock read without this times the launches, not the kernels. A no-op on CPU (and free on CUDA where the caller
+    reads a token right after anyway)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class DecodeResult:
     token_ids: list[int]
@@ -120,6 +128,7 @@ class ArDecoder:
         with torch.inference_mode():
             tok = next_token(prefill(model, self.prompt_ids), self.params, self.gen)
             pos = torch.tensor([[len(self.prompt_ids)]], device=dev)
+        wait_for_device(dev)
         t1 = time.perf_counter()
         out: list[int] = []
         finished = False
@@ -138,6 +147,7 @@ class ArDecoder:
                 logits = model(tok.view(1, 1), pos)[0, -1]
                 tok = next_token(logits, self.params, self.gen)
                 pos += 1
+            wait_for_device(dev)  # the step's kernels, not only their launches
             decode_time += time.perf_counter() - ts
         steps = max(1, len(out) - 1)  # decode steps after the prefill token
         self.result = DecodeResult(out, t1 - t0, decode_time, finished,

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .ar import check_capacity, check_prompt_ids
+from .ar import check_capacity, check_prompt_ids, wait_for_device
 from .config import SpdConfigError, validate_boundaries
 from .model import Transformer, make_stages
 from .ops import verify_greedy, verify_sampling
@@ -256,6 +256,7 @@ class SPDEngine:
         eos = set(int(e) for e in eos_ids)
         t0 = time.perf_counter()
         st, first = self.start(prompt_ids, params, generator)
+        wait_for_device(st.tokens.device)
         t1 = time.perf_counter()
         self.last_state = st
         finished = first in eos
@@ -274,6 +275,7 @@ class SPDEngine:
         while not com.stop:
             tc = time.perf_counter()
             self.cycle(st, params, generator)
+            wait_for_device(st.tokens.device)  # the cycle's kernels, not only their launches
             decode_time += time.perf_counter() - tc
             yield from com.take(st.tokens, int(st.p_new) - int(st.fill) + 1, metrics)  # <= 1 per cycle
         self.last_finished_by_eos = com.finished

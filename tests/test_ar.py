@@ -90,3 +90,45 @@ def test_the_ar_iterator_leaves_the_callers_code_out_of_inference_mode(tiny_chec
     assert not x.is_inference() and x.requires_grad
     assert [next(it) for _ in range(3)] == ref.token_ids[1:]
 
+
+
+def test_decode_timings_include_waiting_for_the_device(tiny_checkpoint, monkeypatch):
+    """On a GPU a step returns once its kernels are launched; AR and SPD stopped their decode clocks there, and the
+    wait came later, at the token read, outside every timed window: decode_seconds (and `spd-fast bench`'s ratios)
+    timed launches. Each timed window now ends after the device has caught up: a slow device shows in the time."""
+    import time
+
+    import spd_fast.ar as ar
+    import spd_fast.engine as engine
+    from conftest import tiny_target
+    from spd_fast.config import uniform_boundaries
+    from spd_fast.drafters import PdmDrafter
+    from spd_fast.engine import SPDEngine
+    from test_engine import random_head
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    ar.wait_for_device(torch.device("cpu"))
+    assert synced == []
+    ar.wait_for_device(torch.device("cuda", 1))
+    assert synced == [torch.device("cuda", 1)]
+
+    waits = []
+
+    def slow(device):  # a device that takes 20 ms to finish each step's work
+        waits.append(device)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(ar, "wait_for_device", slow)
+    monkeypatch.setattr(engine, "wait_for_device", slow)
+    m = tiny_target(tiny_checkpoint("llama"))
+    m.setup_caches(1, 64)
+    res = decode_ar(m, [1, 2, 3], 6, SamplingParams(), [])
+    assert len(waits) == 1 + 5 and res.decode_seconds >= 5 * 0.02 and res.prefill_seconds >= 0.02
+    waits.clear()
+    b = uniform_boundaries(m.cfg.num_layers, 3)
+    spd = SPDEngine(m, PdmDrafter(random_head(m, b)), b)
+    out = spd.run([1, 2, 3], 6, SamplingParams(), [])
+    cycles = int(spd.last_state.cycles)
+    assert out.token_ids == res.token_ids and len(waits) == 1 + cycles
+    assert out.metrics["decode_seconds"] >= cycles * 0.02
