@@ -2,14 +2,29 @@
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+# before any kernel is defined: the Triton tests run in the interpreter on CPU tensors. Not under --benchmark, which
+# runs only tests/benchmarks/: there the Triton rows run compiled on a GPU (and are skipped on CPU), and interpreted
+# kernels on a GPU would time numpy, not the kernels
+if "--benchmark" not in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _threads() -> int:
+    """OMP_NUM_THREADS when it is set to a positive integer (the caller pinned it), else up to 2."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        n = 0
+    return n if n > 0 else max(1, min(2, os.cpu_count() or 1))
+
+
+torch.set_num_threads(_threads())
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, rms_norm_eps=1e-6)

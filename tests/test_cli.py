@@ -736,6 +736,42 @@ def test_benchmarks_run_with_flag_and_write_json(tmp_path):
     for b in torch_twins:
         assert b["extra_info"]["tokens_per_s"] > 0 and b["extra_info"]["speedup_vs_torch_twin"] == 1.0
         assert b["extra_info"]["short_mode"] is True
+        assert b["extra_info"]["threads"] == 1  # _pytest pins OMP_NUM_THREADS=1; the JSON says so
+
+
+def test_the_test_configuration_honours_pinned_threads_and_leaves_triton_compiled_under_benchmark():
+    """conftest set 2 torch threads over an exported OMP_NUM_THREADS=1 (CPU benchmark figures 7-100x apart), and
+    TRITON_INTERPRET=1 under --benchmark too, so on a GPU the Triton rows timed the interpreter."""
+    code = ("import os, sys; sys.argv = ['pytest'] + sys.argv[1:]; sys.path.insert(0, 'tests'); import conftest, "
+            "torch; print(os.environ.get('TRITON_INTERPRET'), torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OMP_NUM_THREADS")}
+
+    def probe(*args: str, **extra: str) -> str:
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
+                           env={**env, **extra}, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    assert probe(OMP_NUM_THREADS="1") == ["1", "1"]
+    assert probe("--benchmark", OMP_NUM_THREADS="1") == ["None", "1"]
+    assert probe(OMP_NUM_THREADS="junk")[1] == str(max(1, min(2, os.cpu_count() or 1)))
+    assert probe("--benchmark", TRITON_INTERPRET="1", OMP_NUM_THREADS="2") == ["1", "2"]  # the caller's own setting
+
+
+def test_an_interpreted_triton_benchmark_row_is_skipped_with_the_fix(monkeypatch):
+    sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_ops", REPO / "tests" / "benchmarks" / "test_bench_ops.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(REPO / "tests" / "benchmarks"))
+    monkeypatch.setattr(mod, "DEVICE", "cuda")  # as on a GPU machine
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(pytest.skip.Exception, match=r"run `TRITON_INTERPRET=0 pytest --benchmark` on the GPU"):
+        mod._op("verify_greedy", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert callable(mod._op("verify_greedy", "triton"))
 
 
 def test_benchmarks_skipped_without_flag():

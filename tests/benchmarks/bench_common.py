@@ -72,7 +72,10 @@ def record(request: Any, benchmark: Any, **info: Any) -> None:
     pm = request.config.pluginmanager
     if not pm.has_plugin("spd_fast_bench_summary"):
         pm.register(_Summary(), "spd_fast_bench_summary")
+    import torch
+
     info = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in info.items()}
+    info.setdefault("threads", torch.get_num_threads())  # CPU figures depend on it: the JSON says which gave them
     benchmark.extra_info.update(info, short_mode=SHORT)
     _ROWS.append({"name": request.node.name, **info})
 

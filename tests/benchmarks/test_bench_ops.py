@@ -27,6 +27,12 @@ def _op(op: str, backend: str) -> Callable[..., Any]:
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("Triton kernels need a GPU (on CPU they only run in the interpreter, which says nothing "
                     "about speed)")
+    if backend == "triton":
+        from spd_fast.triton_kernels._common import interpreting
+
+        if interpreting():  # TRITON_INTERPRET=1 in the environment: these rows would time numpy, not the kernels
+            pytest.skip("TRITON_INTERPRET=1 is set, so the Triton kernels would run in the interpreter; run "
+                        "`TRITON_INTERPRET=0 pytest --benchmark` on the GPU")
     if backend == "cpp":
         if DEVICE != "cpu":
             pytest.skip("the C++ ops are CPU ops")
