@@ -233,6 +233,9 @@ def main() -> None:
     print("distributed per-cycle split (ms):", {k: round(v, 2) for k, v in d["per_cycle_ms"].items()})
     print("components at 1 thread (ms):", {k: round(v, 2) for k, v in doc["components_1thread_ms"].items()})
     print("gloo one-way handoff (us):", {k: round(v, 1) for k, v in handoff.items()})
+    if not same:  # the timings above are of runs that decoded different tokens: a bug, not a result
+        raise SystemExit("bench_distributed.py: the distributed, single-process SPD and AR greedy outputs differ "
+                         f"(see {a.out}); report it as a bug")
     print(f"distributed vs AR: {doc['speedup_distributed_vs_ar_2threads']:.2f}x (2 threads), "
           f"{doc['speedup_distributed_vs_ar_1thread']:.2f}x (1 thread)  {doc['note']}")
     print(f"wrote {a.out}")

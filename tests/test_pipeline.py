@@ -363,6 +363,7 @@ def test_nvtx_env_switch_and_profile_script_message(tmp_path):
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     code = ("import spd_fast.profiling as p; assert p.nvtx_enabled()\n"
             "with p.nvtx_range('spd.stage0'):\n    pass\nprint('ranges ok')")
@@ -372,6 +373,23 @@ def test_nvtx_env_switch_and_profile_script_message(tmp_path):
     r = subprocess.run(["bash", "bench/profile_nsys.sh", str(tmp_path)], env=dict(os.environ, PATH="/usr/bin:/bin"),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "nsys (Nsight Systems) is not on PATH" in r.stderr
+    # options without OUT_DIR: the default folder (under the caller's directory), the options to nsys_run.py
+    # (the first option was taken as OUT_DIR: "mkdir: unrecognized option '--random-weights'")
+    bin_dir, log = tmp_path / "bin", tmp_path / "nsys.log"
+    bin_dir.mkdir()
+    (bin_dir / "nsys").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (bin_dir / "nsys").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(repo / "bench" / "profile_nsys.sh"), "--random-weights", "--num-stages", "5"],
+                       env=dict(env, PATH=f"{bin_dir}:/usr/bin:/bin"), cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    out = tmp_path / "bench" / "results" / "nsys"
+    py = ".venv/bin/python" if (repo / ".venv" / "bin" / "python").exists() else "python3"
+    assert calls[0].endswith(f"-o {out}/spd {py} bench/nsys_run.py --random-weights --num-stages 5"), calls
+    assert calls[1].endswith(f"{out}/spd.nsys-rep") and out.is_dir()
 
 
 @pytest.mark.parametrize("n", [2, 3])
