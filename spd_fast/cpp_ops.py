@@ -77,14 +77,56 @@ def _build() -> None:
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     with _build_lock(d):
-        stale = d / "lock"  # torch's FileBaton; nobody else is building while we hold the flock
+        stale = d / "lock"  # torch's FileBaton, left by a builder that died
         if stale.exists():
-            stale.unlink()
+            # the flock dies with its process, but a builder killed alone leaves its ninja and compilers running in d
+            # (they do not hold our lock): let them finish before a second ninja writes the same files
+            _wait_for_orphans(d, BUILD_WAIT_S)
+            stale.unlink(missing_ok=True)
         # (CFLAGS: -fno-trapping-math lets GCC vectorise the masked exp loops; the ops never read FP exceptions)
         load(name="spd_fast_cpp", sources=[str(s) for s in SOURCES], build_directory=str(d), is_python_module=False,
              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              verbose=False)
     _register_fakes()
+
+
+def _processes_in(d: Path) -> list[int]:
+    """Other processes whose working directory is d (torch runs ninja there); [] where /proc cannot say."""
+    target, out = str(d.resolve()), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for e in entries:
+        if e.isdigit() and int(e) != os.getpid():
+            try:
+                if os.readlink(f"/proc/{e}/cwd") == target:
+                    out.append(int(e))
+            except OSError:  # gone, or not ours to read
+                pass
+    return out
+
+
+def _wait_for_orphans(d: Path, timeout: float) -> None:
+    """Wait until no process works in d (an earlier builder's orphaned ninja), polling for `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while pids := _processes_in(d):
+        if time.monotonic() > end:
+            raise TimeoutError(f"processes {pids} still work in the C++ build directory {d} after {timeout:g} s "
+                               "(an interrupted build's compilers?); stop them or delete that directory and retry")
+        time.sleep(0.5)
+
+
+def _first_cause(text: str) -> str:
+    """The line of a failed build that says why: a compiler's error or a missing program, rather than
+    torch's "Error building extension" or ninja's "build stopped"."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or [""]
+    for want in (lambda s: "error:" in s.lower() or "not found" in s or "No such file" in s,
+                 lambda s: "error" in s.lower() and "build" not in s.lower()):
+        hit = next((ln for ln in lines if want(ln) and not ln.startswith(("FAILED:", "["))), None)
+        if hit is not None:
+            return hit
+    return lines[-1]
 
 
 @contextlib.contextmanager
@@ -142,9 +184,8 @@ def available() -> bool:
             _state["ok"] = True
         except Exception as e:  # no compiler, missing headers, a failed build: the twins still work
             _state["ok"] = False
-            lines = str(e).strip().splitlines() or [""]
-            why = next((ln for ln in lines if "error" in ln.lower() and "build" not in ln.lower()), lines[-1])
-            warnings.warn(f"spd_fast: C++ CPU ops unavailable ({type(e).__name__}: {why.strip()}); "
+            why = _first_cause(str(e))
+            warnings.warn(f"spd_fast: C++ CPU ops unavailable ({type(e).__name__}: {why}); "
                           "using the PyTorch twins", RuntimeWarning, stacklevel=2)
     return bool(_state["ok"])
 

@@ -82,10 +82,15 @@ def resolve(backend: str, device: torch.device, has_cpp: bool = True) -> str:
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton and C++ ops take
 
 
-def _choose(backend: str, t: torch.Tensor, has_cpp: bool = True) -> str:
+def _choose(backend: str, t: torch.Tensor, has_cpp: bool = True, strict: bool = True) -> str:
+    """strict=False: the caller routes the dtypes its fused op lacks itself (decode_attention)."""
     b = resolve(backend, t.device, has_cpp)
-    if backend == "auto" and b != "torch" and t.dtype not in _FUSED_DTYPES:
-        b = "torch"  # "auto" picks what runs: fp64 or integer inputs take the twin (a named backend says why not)
+    if b != "torch" and t.dtype not in _FUSED_DTYPES:
+        if backend == "auto" or not strict:
+            return "torch"  # "auto" picks what runs: fp64 or integer inputs take the twin
+        # the fused ops would compute in fp32 and could answer otherwise than the twin (a near tie in fp64)
+        raise SpdConfigError(f"the {b} ops take float32, bfloat16 or float16 tensors, got {t.dtype}; cast the input, "
+                             "or use backend='torch' (the exact twins) or 'auto'")
     return b
 
 
@@ -192,7 +197,7 @@ def swiglu(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      kv_bound: int, backend: str = "auto") -> torch.Tensor:
     """Few-query attention over a static KV cache (split-K on the GPU, one C++ op on the CPU)."""
-    b = _choose(backend, q)
+    b = _choose(backend, q, strict=False)
     if q.dim() == 4:  # positions broadcast over the batch ([1, T], as the model passes them) and any int dtype
         positions = positions.long().expand(q.shape[0], q.shape[1])
     if b == "cpp" and not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:

@@ -183,7 +183,7 @@ class Attention(nn.Module):
         vc[b_idx, :, positions] = v.to(vc.dtype)
         if (self.fused and 0 < B * T and T <= 8 and q.dtype == torch.float32 and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):  # the fused ops are the C++ CPU ones
-            o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions.expand(B, T), kv_bound)
+            o = torch.ops.spd_fast.decode_attention(q, kc, vc, positions.long().expand(B, T), kv_bound)
             return self.wo(o.reshape(B, T, self.nh * self.hd))
         keys, values = kc[:B, :, :kv_bound], vc[:B, :, :kv_bound]
         if mask is None:

@@ -405,6 +405,61 @@ def test_cpp_build_waits_for_a_live_builder_then_names_the_lock(monkeypatch, tmp
             assert cpp_ops.available() is False
 
 
+def test_cpp_build_waits_for_an_orphaned_builders_compilers(monkeypatch, tmp_path):
+    """A builder killed alone (kill -9 of its pid, the OOM killer) leaves its ninja and compilers running in the build
+    directory without our flock: the next process took the lock, deleted torch's lock file and ran a second ninja on
+    the same objects. It now waits for them first, and says which processes when they do not end."""
+    import subprocess
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_ops, "_register_fakes", lambda: None)
+    d = cpp_ops.build_dir()
+    d.mkdir(parents=True)
+    (d / "lock").touch()
+    orphan = subprocess.Popen(["sleep", "1.5"], cwd=d)  # stands in for the orphaned ninja
+    seen = []
+    monkeypatch.setattr(ext, "load", lambda **kw: seen.append((orphan.poll() is not None, (d / "lock").exists())))
+    t0 = time.monotonic()
+    cpp_ops._build()
+    assert seen == [(True, False)] and time.monotonic() - t0 >= 1.0  # built after the orphan ended
+    orphan.wait()
+    (d / "lock").touch()
+    stuck = subprocess.Popen(["sleep", "30"], cwd=d)
+    try:
+        monkeypatch.setattr(cpp_ops, "BUILD_WAIT_S", 0.6)
+        with pytest.raises(TimeoutError, match=rf"processes \[{stuck.pid}\] still work in the C\+\+ build directory"):
+            cpp_ops._build()
+        assert (d / "lock").exists() and len(seen) == 1
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_a_failed_cpp_build_names_its_cause():
+    """The warning quoted ninja's "build stopped: subcommand failed", not the line that said why."""
+    text = ("Error building extension 'spd_fast_cpp': [1/3] /nonexistent/c++ -MMD -c spd_ops.cpp -o spd_ops.o\n"
+            "FAILED: spd_ops.o\n/nonexistent/c++ -MMD -c spd_ops.cpp -o spd_ops.o\n"
+            "/bin/sh: 1: /nonexistent/c++: not found\nninja: build stopped: subcommand failed.")
+    assert cpp_ops._first_cause(text) == "/bin/sh: 1: /nonexistent/c++: not found"
+    text = ("Error building extension 'x': [1/2] c++ -c a.cpp\nFAILED: a.o\n"
+            "a.cpp:3:10: fatal error: torch/extension.h: No such file or directory\ncompilation terminated.")
+    assert cpp_ops._first_cause(text) == "a.cpp:3:10: fatal error: torch/extension.h: No such file or directory"
+    assert cpp_ops._first_cause("something odd happened") == "something odd happened"
+
+
+def test_a_named_fused_backend_refuses_fp64_instead_of_narrowing_it(cpp):
+    """backend='cpp' computed fp64 logits in fp32: a near tie answered otherwise than the twin, silently."""
+    logits = torch.tensor([[1.0, 1.0 + 1e-10, 0.5]], dtype=torch.float64)
+    draft = torch.tensor([1])
+    assert kernels.verify_greedy(logits, draft, backend="auto")[0].item() is True  # the twin, exact
+    with pytest.raises(SpdConfigError, match=r"the cpp ops take float32, bfloat16 or float16 tensors, got "
+                                             r"torch.float64; cast the input, or use backend='torch'"):
+        kernels.verify_greedy(logits, draft, backend="cpp")
+
+
 # ---- the engine: greedy output identical on every backend ---------------------------------------
 @pytest.mark.parametrize("n", [2, 3])
 def test_engine_greedy_identical_across_backends(tiny_checkpoint, n, cpp):
@@ -748,3 +803,20 @@ def test_auto_leaves_dtypes_the_fused_ops_lack_to_the_twin(cpp):
     x, types, w = agg_inputs(3, 2, 17, torch.float32, "cpu")
     got = kernels.aggregate(x.double(), types, w.double(), backend="auto")
     assert torch.allclose(got, ops.aggregate_torch(x.double(), types, w.double()))
+
+
+def test_the_fused_decode_attention_takes_int32_positions_as_the_unfused_path_does(tiny_checkpoint, cpp):
+    """Attention.forward passed int32 positions straight to the C++ decode_attention, which refused them ("int64
+    positions [B, T] = [1, 3], got [1, 3]") where the unfused path took them."""
+    from conftest import tiny_target
+    from spd_fast.packed import enable_fused_ops
+
+    m = tiny_target(tiny_checkpoint("llama"))
+    m.setup_caches(1, 16)
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.inference_mode():
+        want = m(ids, torch.arange(3)[None])
+    assert enable_fused_ops(m)
+    with torch.inference_mode():
+        for pos in (torch.arange(3)[None], torch.arange(3, dtype=torch.int32)[None]):
+            torch.testing.assert_close(m(ids, pos), want, atol=1e-5, rtol=1e-5)

@@ -316,7 +316,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   const int64_t nkv = kc.size(1), S = kc.size(2);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == B &&
               positions.size(1) == T, "decode_attention: int64 positions [B, T] = [", B, ", ", T, "], got ",
-              positions.sizes());
+              positions.scalar_type(), " ", positions.sizes());
   TORCH_CHECK(kc.size(0) >= B && kc.size(3) == D && nkv >= 1 && nh % nkv == 0 && kv_bound >= 1 && kv_bound <= S,
               "decode_attention: shapes disagree");
   at::Tensor qc = q.contiguous();

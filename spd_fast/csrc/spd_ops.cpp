@@ -289,7 +289,7 @@ float top_p_cut(const float* x, int64_t V, float mx, float thr, double z, double
   for (size_t k = std::min<size_t>(n, 256);; k = std::min(n, k * 8)) {
     std::partial_sort(kept.begin(), kept.begin() + k, kept.end(), std::greater<float>());
     double before = 0.0;
-    const float cut = static_cast<float>(top_p);  // compared in fp32, as the twin compares its fp32 cumsum
+    const float cut = static_cast<float>(top_p);  // fp32 (the twin sums in fp64: they differ only within ~1e-7)
     for (size_t j = 0; j < k; ++j) {
       if (j > 0 && static_cast<float>(before) >= cut) return kept[j - 1];  // the last kept token; its ties are kept too
       before += fast_exp(kept[j] - mx) / z;
