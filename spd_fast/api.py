@@ -290,9 +290,15 @@ class Engine:
         check_max_new_tokens(max_new_tokens)
         eos = self._eos(eos_ids)
         stops = check_stop(stop)
-        encoded = [self.target.encode(p) for p in prompts]  # a bad prompt fails before any decoding
-        for ids in encoded:
-            self._check_fits(ids, max_new_tokens, method)
+        encoded = []
+        for i, p in enumerate(prompts):  # a bad prompt fails before any decoding, named by its index in a batch
+            try:
+                encoded.append(self.target.encode(p))
+                self._check_fits(encoded[-1], max_new_tokens, method)
+            except SpdConfigError as e:
+                if single:
+                    raise
+                raise SpdConfigError(f"prompt {i} of the batch: {e}") from None
         outs = []
         for ids in encoded:
             checker = StopStrings(self.target.decode, stops) if stops else None

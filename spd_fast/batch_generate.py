@@ -15,19 +15,33 @@ from .model import Transformer, kv_bound_for
 from .sampling import SamplingParams, next_token
 
 
-@torch.inference_mode()
 def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    params: SamplingParams, eos_ids: Sequence[int], generator: torch.Generator | None = None
                    ) -> list[list[int]]:
-    from .ar import check_max_new_tokens
+    """Each prompt's new tokens (up to and including its first EOS). Holds the model's decode lock, and ends any
+    stream open on its caches (as another generate() does): both would read the KV slots this overwrites."""
+    from .ar import check_max_new_tokens, check_prompt_ids
 
     check_max_new_tokens(max_new_tokens)  # 0 or less still returned each prompt's prefill token
-    B = len(prompts)
-    if not B:
+    for i, p in enumerate(prompts):  # an id past the vocabulary failed in the embedding; a float was truncated
+        if len(p) == 0:  # its last row would be a pad's (index -1): a made-up first token
+            raise SpdConfigError(f"prompt {i} of the batch is empty; give every prompt at least one token")
+        try:
+            check_prompt_ids(p, model.cfg.vocab_size)
+        except SpdConfigError as e:
+            raise SpdConfigError(f"prompt {i} of the batch: {e}") from None
+    if not prompts:
         return []
-    if any(len(p) == 0 for p in prompts):  # its last row would be a pad's (index -1): a made-up first token
-        raise SpdConfigError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} of the batch is empty; "
-                             f"give every prompt at least one token")
+    with model.decode_lock:
+        model.generations += 1
+        return _generate_batch(model, prompts, max_new_tokens, params, eos_ids, generator)
+
+
+@torch.inference_mode()
+def _generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    params: SamplingParams, eos_ids: Sequence[int], generator: torch.Generator | None
+                    ) -> list[list[int]]:
+    B = len(prompts)
     dev = model.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     T = int(lens.max())
@@ -41,8 +55,9 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new
         ids[i, : len(p)] = torch.tensor(list(p), device=dev)
     ar = torch.arange(T, device=dev)[None].expand(B, T)
     pos = torch.where(ar < lens[:, None], ar, torch.full_like(ar, model.max_len))  # pads -> scratch slot
-    logits = model(ids, pos, kv_bound=kv_bound_for(T - 1, model.max_len))
-    last = logits[torch.arange(B, device=dev), lens - 1]
+    # the final norm and LM head on each row's last position only: [B, T, V] logits would be GBs at batch 64
+    h, _ = model.run_layers(model.embed_tokens(ids), pos, 0, model.cfg.num_layers, kv_bound_for(T - 1, model.max_len))
+    last = model.logits(h[torch.arange(B, device=dev), lens - 1])
     tok = next_token(last, params, generator)
     eos = torch.tensor(list(eos_ids), device=dev)
     out = [tok]

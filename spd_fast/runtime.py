@@ -212,9 +212,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
             raise SpdConfigError("the prompt is empty; pass a non-empty string or a list of chat messages")
         check_text(prompt, "the prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, (list, tuple)) and not prompt:  # no messages, and no token ids either
+        raise SpdConfigError("the prompt is an empty list (no chat messages, no token ids); pass at least one "
+                             "{'role': 'user', 'content': ...} message or one token id")
     elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
-        if not prompt:
-            raise SpdConfigError("the message list is empty; pass at least one {'role': 'user', 'content': ...}")
         for m in prompt:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise SpdConfigError(f"chat message {m!r} needs string 'role' and 'content' keys")

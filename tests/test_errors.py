@@ -481,7 +481,8 @@ def test_empty_prompts(default_target):
     tok = default_target.tokenizer
     with pytest.raises(SpdConfigError, match="prompt is empty"):
         encode_prompt(tok, "")
-    with pytest.raises(SpdConfigError, match="message list is empty"):
+    with pytest.raises(SpdConfigError, match=r"the prompt is an empty list \(no chat messages, no token ids\); pass "
+                                             r"at least one \{'role': 'user', 'content': ...\} message or one token id"):
         encode_prompt(tok, [])
     with pytest.raises(SpdConfigError, match="needs string 'role' and 'content'"):
         encode_prompt(tok, [{"role": "user"}])
@@ -1517,3 +1518,54 @@ def test_a_damaged_shipped_head_is_named(tmp_path, monkeypatch):
     fp = json.loads((good / "draft_config.json").read_text())["base_fingerprint"]
     assert api.shipped_head(SimpleNamespace(fingerprint=fp), 3) == heads / "a-good-one"
     assert api.shipped_head(SimpleNamespace(fingerprint=fp), 2) is None
+
+
+def test_batched_generation_checks_ids_holds_the_lock_and_ends_open_streams(tiny_checkpoint):
+    """generate_batch took ids past the vocabulary to a raw IndexError and truncated floats silently; it wrote the
+    model's KV caches without its decode lock or ending the streams open on them (which then went on from the
+    overwritten slots, silently wrong); and its prefill ran the LM head over every prompt position ([B, T, V])."""
+    import threading
+
+    from spd_fast.ar import decode_ar
+    from spd_fast.batch_generate import generate_batch
+    from spd_fast.sampling import SamplingParams
+
+    ckpt = tiny_checkpoint("llama")
+    m = load_hf_dir(ckpt)
+    m.setup_caches(4, 48)
+    for bad, msg in (([[1, 2], [1000]], r"prompt 1 of the batch: prompt token 1000 at position 0 is not a token id"),
+                     ([[1.5, 2]], r"prompt 0 of the batch: prompt token 1.5 at position 0 is not a token id")):
+        with pytest.raises(SpdConfigError, match=msg):
+            generate_batch(m, bad, 4, SamplingParams(), [])
+    # rows of mixed lengths equal each prompt decoded alone; the LM head sees one row per prompt
+    prompts = [[5, 9, 2, 7, 1, 3], [4], [8, 8, 8, 1]]
+    shapes = []
+    real = m.logits
+    m.logits = lambda h: shapes.append(tuple(h.shape)) or real(h)
+    got = generate_batch(m, prompts, 8, SamplingParams(), [])
+    assert shapes[0] == (3, m.cfg.hidden_size)
+    del m.logits
+    for p, row in zip(prompts, got):
+        assert row == decode_ar(m, p, 8, SamplingParams(), []).token_ids
+    # the decode lock: a batch started while another thread holds it waits for it
+    done = threading.Event()
+    with m.decode_lock:
+        t = threading.Thread(target=lambda: (generate_batch(m, [[1, 2]], 2, SamplingParams(), []), done.set()))
+        t.start()
+        t.join(0.5)
+        assert not done.is_set()
+    t.join(30)
+    assert done.is_set()
+    # a stream open on an engine over the same model is ended, not continued from the overwritten slots
+    eng = spd_fast.load(model=ckpt, draft="random", max_len=48, progress=False)
+    it = eng.stream([5, 9, 2], 12)
+    next(it)
+    generate_batch(eng.target.model, [[1, 2, 3, 4]], 6, SamplingParams(), [])
+    with pytest.raises(SpdConfigError, match=r"another generate\(\) or stream\(\) ran on this engine"):
+        list(it)
+    # a bad prompt of a batch is named by its index; an empty list is neither chat messages nor token ids
+    with pytest.raises(SpdConfigError, match=r"prompt 1 of the batch: the prompt is an empty list \(no chat messages, "
+                                             r"no token ids\)"):
+        eng.generate([[5, 9], []], 4)
+    with pytest.raises(SpdConfigError, match=r"prompt 2 of the batch: prompt token 500 at position 1"):
+        eng.generate([[5, 9], [3], [1, 500]], 4)
