@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from typing import Any
@@ -28,6 +29,8 @@ def add_parser(sub: Any) -> None:
     add_model_options(s)
     s.set_defaults(func=run)
 
+
+STOP_WAIT_S = 10.0  # seconds Ctrl-C waits for the request that is decoding to end at its next piece
 
 def _listen_error(args: argparse.Namespace, e: OSError) -> SpdConfigError:
     from .server import bind_hint
@@ -63,4 +66,11 @@ def run(args: argparse.Namespace) -> int:
         httpd.serve_forever()
     finally:
         httpd.server_close()
+        # Ctrl-C while a request decodes: end it at its next piece, and wait for its thread to leave torch (an
+        # interpreter that exits under a daemon thread inside torch's C++ aborts: SIGABRT, not status 130)
+        if not httpd.spd.stop(timeout=STOP_WAIT_S):
+            print(f"spd-fast: a request still held the engine after {STOP_WAIT_S:g} s; exiting without it",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)
     return 0

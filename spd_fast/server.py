@@ -12,8 +12,8 @@ metrics (acceptance_rate, tokens_per_cycle, ...). Bad requests get HTTP 400 with
 `{"error": {"message", "type", "param", "code"}}` whose message names the problem and the fix.
 
 Defaults follow the OpenAI API: temperature 1.0, top_p 1.0, max_tokens 16 for /v1/completions and the
-room left in the KV cache for chat. `n` > 1, `logprobs`, `best_of`, penalties and `logit_bias` are refused
-by name rather than ignored.
+room left in the KV cache for chat; top_k -1 is off, as in vLLM. `n` > 1, `logprobs`, `best_of`, penalties,
+`logit_bias` and the other endpoint's prompt field are refused by name rather than ignored.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ MAX_BODY = 8 << 20  # bytes of one request body (a longer one is refused with 41
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "stream_options", "user"} | set(_UNSUPPORTED)
+_OTHER_ENDPOINT = {True: "prompt", False: "messages"}  # chat -> the field of /v1/completions it must not take
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 
 
@@ -70,6 +71,24 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.param = status, param
+
+
+class ServerStopping(Exception):
+    """The server was asked to stop (Ctrl-C) while this request decoded: it ends at its next piece."""
+
+
+_ENGINE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def _param_of(message: str, body: Any) -> str | None:
+    """The request field an engine error is about (its messages start with the field's name), as the client
+    spelled it."""
+    for key in _ENGINE_PARAMS:
+        if message.startswith(key):
+            if key == "max_tokens" and isinstance(body, dict) and body.get("max_completion_tokens") is not None:
+                return "max_completion_tokens"
+            return key
+    return None
 
 
 def _number(body: dict, key: str, default: Any, kind: type) -> Any:
@@ -111,6 +130,16 @@ class SpdServer:
         self.engine, self.model_name, self.method = engine, model_name, method
         self.lock = threading.Lock()  # one sequence at a time: the engine has one KV cache
         self.created = int(time.time())
+        self.stopping = threading.Event()  # set by stop(): the decode in flight ends at its next piece
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the decode in flight (if any) to end, and wait up to `timeout` s for it to let go of the engine;
+        False if it did not (a process must not exit while a request thread is inside torch)."""
+        self.stopping.set()
+        if self.lock.acquire(timeout=timeout):
+            self.lock.release()
+            return True
+        return False
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -119,10 +148,12 @@ class SpdServer:
     def _settings(self, body: dict, chat: bool) -> tuple[Any, dict]:
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - _KNOWN)
+        known = _KNOWN - {_OTHER_ENDPOINT[chat]}
+        unknown = sorted(set(body) - known)
         if unknown:
-            raise RequestError(400, f"unknown field(s) {', '.join(unknown)}; this server takes "
-                                    f"{', '.join(sorted(_KNOWN - set(_UNSUPPORTED)))}", unknown[0])
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)} for /v1/{'chat/' if chat else ''}"
+                                    f"completions; it takes {', '.join(sorted(known - set(_UNSUPPORTED)))}",
+                               unknown[0])
         for key, neutral in _UNSUPPORTED.items():
             v = body.get(key)
             if v is not None and not _asks_nothing(v, neutral):
@@ -133,6 +164,12 @@ class SpdServer:
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise RequestError(400, "stream_options must be an object like {\"include_usage\": true}, got "
                                     f"{body['stream_options']!r}", "stream_options")
+        if body.get("stream_options") is not None and body.get("stream") is not True:
+            raise RequestError(400, "stream_options is only allowed with \"stream\": true", "stream_options")
+        extra = sorted(set(body.get("stream_options") or {}) - {"include_usage"})
+        if extra:
+            raise RequestError(400, f"stream_options.{extra[0]} is not supported; this server takes "
+                                    "stream_options.include_usage", "stream_options")
         usage = (body.get("stream_options") or {}).get("include_usage")
         if usage is not None and not isinstance(usage, bool):
             raise RequestError(400, f"stream_options.include_usage must be true or false, got {usage!r}",
@@ -169,9 +206,10 @@ class SpdServer:
         if any(len(x) > MAX_STOP_CHARS for x in stops):
             raise RequestError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
                                     f"{max(map(len, stops))}; send a shorter one", "stop")
+        top_k = _number(body, "top_k", 0, int)
         kw = dict(temperature=_number(body, "temperature", 1.0, float), top_p=_number(body, "top_p", 1.0, float),
-                  top_k=_number(body, "top_k", 0, int), seed=_number(body, "seed", None, int),
-                  stop=stops or None, method=self.method)
+                  top_k=0 if top_k == -1 else top_k,  # -1: vLLM's and SGLang's "no top-k", our 0
+                  seed=_number(body, "seed", None, int), stop=stops or None, method=self.method)
         # tokenized here, outside the lock: a long prompt does not hold up the request that is decoding
         ids = self.engine.target.encode(prompt)
         if max_tokens is None:  # chat: what is left of the KV cache and the context after the prompt
@@ -196,6 +234,8 @@ class SpdServer:
         ids, kw = self._settings(body, chat)
         eng = self.engine
         with self.lock:
+            if gone is not None and gone():  # it gave up while waiting for the engine: no decode for nobody
+                raise ClientGone
             chunks = eng.stream(ids, **kw)  # the same decode and text as generate(), piece by piece
             try:
                 parts = []
@@ -203,23 +243,30 @@ class SpdServer:
                     parts.append(piece)
                     if gone is not None and gone():
                         raise ClientGone
+                    if self.stopping.is_set():
+                        raise ServerStopping("the server is shutting down; send the request again once it is "
+                                             "back")
             finally:
                 chunks.close()
             text, token_ids, metrics = "".join(parts), list(eng.last_token_ids), eng.last_metrics
             reason = _FINISH[eng.last_finish_reason]
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": reason}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
         return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], **self._usage(ids, len(token_ids), metrics)}
 
-    def stream(self, body: dict, chat: bool) -> "EventStream":
+    def stream(self, body: dict, chat: bool, gone: Callable[[], bool] | None = None) -> "EventStream":
         """Checks the request before the first event (errors are plain 400 replies), then holds the engine until
-        the returned stream is exhausted or closed."""
+        the returned stream is exhausted or closed. `gone`: asked once the engine is ours (a client that gave up
+        while it waited gets no decode: ClientGone)."""
         ids, kw = self._settings(body, chat)
         opts = body.get("stream_options") or {}
         self.lock.acquire()
         try:
+            if gone is not None and gone():
+                raise ClientGone
             chunks = self.engine.stream(ids, **kw)
         except BaseException:
             self.lock.release()
@@ -243,6 +290,8 @@ class SpdServer:
             yield event(None, role=True)
         for piece in chunks:
             yield event(piece)
+            if self.stopping.is_set():
+                raise ServerStopping("the server is shutting down; send the request again once it is back")
         eng = self.engine
         yield event(None if chat else "", _FINISH[eng.last_finish_reason])
         if usage:
@@ -258,7 +307,7 @@ class EngineFailure(Exception):
 def _engine_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
-    except (RequestError, SpdConfigError, ClientGone):
+    except (RequestError, SpdConfigError, ClientGone, ServerStopping):
         raise
     except Exception as e:
         raise EngineFailure(f"{type(e).__name__}: {e}") from e
@@ -303,6 +352,13 @@ class EventStream:
                 self.lock.release()
 
 
+_POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+def _is_get_route(path: str) -> bool:
+    return path in ("/health", "/v1/models") or path.startswith("/v1/models/")
+
+
 def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -312,11 +368,13 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             if not getattr(self.server, "quiet", False):
                 super().log_message(fmt, *args)
 
-        def _send(self, status: int, obj: dict) -> None:
+        def _send(self, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
@@ -326,9 +384,11 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
-        def _error(self, status: int, message: str, param: str | None = None) -> None:
-            kind = "invalid_request_error" if status < 500 else "internal_error"
-            self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
+        def _error(self, status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> None:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}},
+                       headers)
 
         def _body(self) -> bytes:
             """The whole request body, read before anything is answered, so the connection stays usable for the
@@ -354,6 +414,20 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 raise ClientGone
             return data
 
+        def handle_expect_100(self) -> bool:
+            """A body over MAX_BODY announced with `Expect: 100-continue` is refused before the client sends it
+            (a client that sends it unasked meets a closed connection, the 413 already written)."""
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                size = 0
+            if size > MAX_BODY:
+                self.close_connection = True
+                self._error(413, f"the request body has {size} bytes, more than this server takes ({MAX_BODY}); "
+                                 "send a shorter prompt")
+                return False
+            return super().handle_expect_100()
+
         def _route(self) -> str:
             return self.path.split("?", 1)[0].rstrip("/") or "/"
 
@@ -375,16 +449,26 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                                 "model")
             elif path == "/health":
                 self._send(200, {"status": "ok"})
+            elif path in _POST_ROUTES:
+                self._wrong_method(path)
             else:
                 self._error(404, f"no route GET {path}; try GET /v1/models or POST /v1/chat/completions")
+
+        def _wrong_method(self, path: str) -> None:
+            allow = "POST" if path in _POST_ROUTES else "GET, HEAD"
+            self._error(405, f"{path} takes {allow}, not {self.command}", headers={"Allow": allow})
 
         def _not_allowed(self) -> None:
             try:
                 self._body()
             except RequestError:
                 pass
+            path = self._route()
+            if path in _POST_ROUTES or _is_get_route(path):
+                self._wrong_method(path)
+                return
             self._error(405, f"method {self.command} is not supported; use GET /v1/models or POST "
-                             "/v1/completions, /v1/chat/completions")
+                             "/v1/completions, /v1/chat/completions", headers={"Allow": "GET, HEAD, POST"})
 
         do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
@@ -395,15 +479,21 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
             path = self._route()
             ok = path in ("/health", "/v1/models", f"/v1/models/{server.model_name}")
-            self.send_response(200 if ok else 404)
+            self.send_response(200 if ok else 405 if path in _POST_ROUTES else 404)
+            if path in _POST_ROUTES:
+                self.send_header("Allow", "POST")
             self.send_header("Content-Length", "0")
             self.end_headers()
 
         def do_POST(self) -> None:
-            routes = {"/v1/completions": False, "/v1/chat/completions": True}
+            routes = _POST_ROUTES
+            body: Any = None
             try:
                 raw = self._body()
                 path = self._route()
+                if _is_get_route(path):
+                    self._wrong_method(path)
+                    return
                 if path not in routes:
                     raise RequestError(404, f"no route POST {path}; use /v1/completions or /v1/chat/completions")
                 try:
@@ -417,7 +507,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                         from None
                 chat = routes[path]
                 if isinstance(body, dict) and body.get("stream") is True:
-                    events = _engine_call(server.stream, body, chat)
+                    events = _engine_call(server.stream, body, chat, gone=lambda: client_gone(self.connection))
                     try:
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
@@ -434,8 +524,10 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                             except Exception as e:  # headers are out: the error goes as an event, as OpenAI's does
                                 status = 400 if isinstance(e, SpdConfigError) else 500
                                 message = _api_words(str(e)) if status == 400 else f"{type(e).__name__}: {e}"
-                                self._event({"error": {"message": message, "type": "internal_error" if status == 500
-                                                       else "invalid_request_error", "param": None, "code": status}})
+                                self._event({"error": {"message": message, "type": "server_error" if status == 500
+                                                       else "invalid_request_error",
+                                                       "param": _param_of(message, body) if status == 400 else None,
+                                                       "code": status}})
                                 break
                             self._event(ev)  # a client that left or stalled raises here, to the handlers below
                         self.wfile.write(b"data: [DONE]\n\n")
@@ -448,7 +540,10 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             except RequestError as e:
                 self._error(e.status, _api_words(str(e)), e.param)
             except SpdConfigError as e:  # the engine's own checks (temperature, prompt length, stop strings, ...)
-                self._error(400, _api_words(str(e)))
+                message = _api_words(str(e))
+                self._error(400, message, _param_of(message, body))
+            except ServerStopping as e:
+                self._error(503, str(e))
             except EngineFailure as e:  # before the socket errors: an engine's TimeoutError is not a stalled client
                 self._error(500, str(e))
             except (ConnectionError, socket.timeout, ClientGone):  # the client left or stalled (its body, or our reply)

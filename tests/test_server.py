@@ -116,7 +116,13 @@ def test_streamed_answers_equal_the_whole_answer(served):
     ({"prompt": 5}, 400, "prompt must be a string or a list of token ids"),
     ({"prompt": [1, 99999]}, 400, "prompt token 99999 at position 1 is not a token id of this model"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist; this server serves 'smollm2'"),
-    ({"prompt": "hi", "temprature": 0}, 400, r"unknown field\(s\) temprature; this server takes"),
+    ({"prompt": "hi", "temprature": 0}, 400, r"unknown field\(s\) temprature for /v1/completions; it takes"),
+    # the other endpoint's prompt field was silently dropped
+    ({"prompt": "hi", "messages": CHAT}, 400, r"unknown field\(s\) messages for /v1/completions; it takes"),
+    ({"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}, 400,
+     r"^stream_options is only allowed with \"stream\": true$"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     r"^stream_options.continuous_usage_stats is not supported"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop must be a non-empty string or a list of non-empty strings"),
     ({"prompt": "hi", "stream_options": "usage"}, 400, "stream_options must be an object"),
     ({"prompt": "hi", "stop": ["a"] * 17}, 400, "^stop takes at most 16 strings, got 17; send fewer$"),
@@ -135,6 +141,23 @@ def test_bad_requests_name_the_problem(served, body, status, message):
     if "stream" not in body:  # the same request streamed is refused before the stream starts
         got, _, text = request(port, "POST", "/v1/completions", {**body, "stream": True})
         assert got == status and re.search(message, json.loads(text)["error"]["message"])
+
+
+def test_engine_errors_name_their_field_and_vllm_top_k_minus_one(served):
+    """The engine's own refusals came back with "param": null, and named max_tokens to a client that had sent
+    max_completion_tokens; top_k -1 (vLLM's and SGLang's "off") was refused; chat choices lacked "logprobs"."""
+    eng, port, _ = served
+    for body, param in (({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"prompt": "hi", "temperature": -1}, "temperature"),
+                        ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "stop": [""]}, "stop")):
+        status, _, text = request(port, "POST", "/v1/completions", body)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+    got = [json.loads(request(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "temperature": 0.8,
+                                                               "seed": 4, "top_k": k})[2]) for k in (-1, 0)]
+    assert got[0]["choices"][0]["text"] == got[1]["choices"][0]["text"]
+    status, _, text = request(port, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
+    assert status == 200 and json.loads(text)["choices"][0]["logprobs"] is None
 
 
 def test_routes_and_malformed_bodies(served):
@@ -215,10 +238,21 @@ def test_serve_command(tmp_path):
         status, _, text = request(int(m.group(1)), "POST", "/v1/chat/completions",
                                   {"messages": CHAT, "max_tokens": 4, "temperature": 0})
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+        # Ctrl-C while a stream decodes: it ends with an error event, and the process exits 130 (it aborted with
+        # SIGABRT, "terminate called without an active exception", a request thread still inside torch)
+        c = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=120)
+        c.request("POST", "/v1/chat/completions", body=json.dumps({"messages": CHAT, "max_tokens": 1000,
+                                                                    "temperature": 0, "stream": True}))
+        r = c.getresponse()
+        assert r.fp.readline().startswith(b"data: ")
     finally:
         p.send_signal(signal.SIGINT)
         rc = p.wait(60)
-    assert rc == 130 and "spd-fast: interrupted" in p.stderr.read()
+    tail = r.read().decode()
+    c.close()
+    err = p.stderr.read()
+    assert rc == 130 and "spd-fast: interrupted" in err and "terminate called" not in err, (rc, err[-2000:])
+    assert "the server is shutting down" in tail, tail[-500:]
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         # a model path that does not exist: had the model loaded first, that would be the error
@@ -352,7 +386,15 @@ def test_bodies_routes_and_methods_keep_the_connection_usable(served):
     status, text = ask("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1}))
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 1
     status, text = ask("OPTIONS", "/v1/completions")
-    assert status == 405 and json.loads(text)["error"]["message"].startswith("method OPTIONS is not supported")
+    assert status == 405 and json.loads(text)["error"]["message"] == "/v1/completions takes POST, not OPTIONS"
+    # a known route asked with another method is 405 with Allow (RFC 9110), not 404
+    for method, path, allow in (("GET", "/v1/chat/completions", "POST"), ("POST", "/v1/models", "GET, HEAD"),
+                                ("HEAD", "/v1/completions", "POST"), ("DELETE", "/health", "GET, HEAD"),
+                                ("OPTIONS", "/nope", "GET, HEAD, POST")):
+        c.request(method, path, body=b"")
+        r = c.getresponse()
+        r.read()
+        assert (r.status, r.getheader("Allow")) == (405, allow), (method, path, r.status)
     status, text = ask("POST", "/v1/completions", "[" * 100000 + "]" * 100000)
     assert status == 400 and "not valid JSON (nested too deeply)" in text
     c.close()
@@ -462,3 +504,92 @@ def test_a_client_leaving_before_a_whole_answer_stops_its_decode(served):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class _SlowEngine:
+    """Stands in for an Engine: a stream of one piece every 20 ms until closed (or `pieces` of them)."""
+
+    def __init__(self, pieces: int = 10 ** 6):
+        self.pieces, self.started = pieces, 0
+        self.target = type("T", (), {"encode": staticmethod(lambda p: [1, 2, 3])})()
+        self.last_token_ids, self.last_metrics, self.last_finish_reason = [], {}, "length"
+
+    def room(self, n: int, method: str) -> int:
+        return 100
+
+    def stream(self, ids, **kw):
+        import time
+
+        self.started += 1
+        for i in range(self.pieces):
+            time.sleep(0.02)
+            self.last_token_ids = [0] * (i + 1)
+            yield "x"
+
+
+def test_a_client_that_left_while_queued_gets_no_decode_and_stop_ends_the_decode_in_flight():
+    """Requests whose clients gave up while they waited for the engine were still decoded (each a full prefill
+    here, 2.4 s for a long prompt); Ctrl-C during a decode left a request thread inside torch while the interpreter
+    exited (SIGABRT). stop() now ends the decode in flight at its next piece and waits for the engine."""
+    from spd_fast.server import ClientGone, ServerStopping, SpdServer
+
+    eng = _SlowEngine()
+    srv = SpdServer(eng, "m")
+    body = {"prompt": "hi", "max_tokens": 5}
+    for call in (lambda: srv.complete(body, False, gone=lambda: True),
+                 lambda: srv.stream(dict(body, stream=True), False, gone=lambda: True)):
+        with pytest.raises(ClientGone):
+            call()
+        assert eng.started == 0 and not srv.lock.locked()
+    outcome = {}
+
+    def decode_forever(kind):
+        try:
+            if kind == "complete":
+                srv.complete(body, False, gone=lambda: False)
+            else:
+                events = srv.stream(dict(body, stream=True), False)
+                try:
+                    for _ in events:
+                        pass
+                finally:
+                    events.close()
+        except ServerStopping as e:
+            outcome[kind] = str(e)
+
+    for kind in ("complete", "stream"):
+        srv.stopping.clear()
+        t = threading.Thread(target=decode_forever, args=(kind,))
+        t.start()
+        while not srv.lock.locked():
+            pass
+        assert srv.stop(timeout=10) is True
+        t.join(10)
+        assert outcome[kind].startswith("the server is shutting down") and not srv.lock.locked()
+    srv.stopping.clear()
+    srv.lock.acquire()  # a decode that does not end in time: stop() says so instead of hanging
+    try:
+        assert srv.stop(timeout=0.2) is False
+    finally:
+        srv.lock.release()
+
+
+def test_an_oversized_body_is_refused_before_it_is_sent(served):
+    """`Expect: 100-continue` with a body over the limit: the 413 comes instead of the 100, so a standard-library
+    client sees it (the server had closed the connection unread, and the client's send failed)."""
+    import socket
+
+    from spd_fast.server import MAX_BODY
+
+    _, port, _ = served
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {MAX_BODY + 1}\r\nExpect: 100-continue\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413") and b"100 Continue" not in reply, reply[:200]
+    assert b"more than this server takes" in reply
