@@ -127,8 +127,10 @@ def test_fused_ops_check_their_shapes():
     from spd_fast.model import Transformer
 
     q, kc = torch.randn(3, 2, 2, 16), torch.randn(3, 1, 8, 16)
-    with pytest.raises(RuntimeError, match=r"decode_attention: int64 positions \[B, T\] = \[3, 2\], got \[1, 2\]"):
+    with pytest.raises(RuntimeError, match=r"decode_attention: int64 positions \[B, T\] = \[3, 2\], got Long \[1, 2\]"):
         torch.ops.spd_fast.decode_attention(q, kc, kc, torch.tensor([[5, 6]]), 8)
+    with pytest.raises(RuntimeError, match=r"int64 positions \[B, T\] = \[3, 2\], got Int \[3, 2\]"):  # the dtype named
+        torch.ops.spd_fast.decode_attention(q, kc, kc, torch.tensor([[5, 6]] * 3, dtype=torch.int32), 8)
     with pytest.raises(RuntimeError, match="decode_attention: shapes disagree"):  # no KV heads
         torch.ops.spd_fast.decode_attention(q, torch.empty(3, 0, 8, 16), torch.empty(3, 0, 8, 16),
                                             torch.zeros(3, 2, dtype=torch.long), 8)
