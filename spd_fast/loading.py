@@ -26,6 +26,15 @@ def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torc
         used.add(name)
         return sd[name]
 
+    def cat(*names: str) -> torch.Tensor:  # q/k/v or gate/up, fused along the output rows
+        parts = [take(n) for n in names]
+        try:
+            return torch.cat(parts)
+        except RuntimeError:
+            raise CheckpointError(f"tensors {', '.join(names)} cannot be fused: their shapes "
+                                  f"{', '.join(str(list(t.shape)) for t in parts)} disagree; the checkpoint is "
+                                  f"damaged or not a standard {cfg.model_type} one") from None
+
     out: dict[str, torch.Tensor] = {
         "embed.weight": take("model.embed_tokens.weight"),
         "norm.weight": take("model.norm.weight"),
@@ -45,17 +54,14 @@ def _hf_to_ours(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torc
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        out[f"layers.{i}.attn.wqkv.weight"] = torch.cat(
-            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+        out[f"layers.{i}.attn.wqkv.weight"] = cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
         if cfg.attention_bias:
-            out[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
-                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+            out[f"layers.{i}.attn.wqkv.bias"] = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
         out[f"layers.{i}.attn.wo.weight"] = take(a + "o_proj.weight")
         if cfg.qk_norm:
             out[f"layers.{i}.attn.q_norm.weight"] = take(a + "q_norm.weight")
             out[f"layers.{i}.attn.k_norm.weight"] = take(a + "k_norm.weight")
-        out[f"layers.{i}.mlp.w_gate_up.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[f"layers.{i}.mlp.w_gate_up.weight"] = cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         out[f"layers.{i}.mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
         out[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -71,12 +72,24 @@ def _check_convertible(path: Path, cfg: dict, sd: dict) -> None:
     from .config import ModelConfig
     from .loading import _hf_to_ours
 
+    from .loading import CheckpointError
+    from .model import Transformer
+
     try:
-        _hf_to_ours(ModelConfig.from_hf_dict(cfg), {k: torch.empty(v.shape, device="meta") for k, v in sd.items()})
+        mc = ModelConfig.from_hf_dict(cfg)
+        ours = _hf_to_ours(mc, {k: torch.empty(v.shape, device="meta") for k, v in sd.items()})
     except SpdConfigError as e:
         raise type(e)(f"{path}: {e}") from None
     except NotImplementedError:  # a check that reads values (a stored output layer beside a tied one): at load
-        pass
+        return
+    with torch.device("meta"):  # the shapes the metadata implies (head_dim, feed-forward width, ...): no memory
+        want = {k: tuple(v.shape) for k, v in Transformer(mc).state_dict().items()}
+    bad = [(k, tuple(v.shape), want[k]) for k, v in ours.items() if k in want and tuple(v.shape) != want[k]]
+    if bad:
+        k, got, exp = bad[0]
+        raise CheckpointError(f"{path}: its metadata does not match its tensors ({len(bad)} differ, e.g. {k} has "
+                              f"shape {list(got)} where the metadata implies {list(exp)}); the file cannot load: "
+                              "use a GGUF written by a llama.cpp converter, or the model's Hugging Face directory")
 
 
 def default_gguf_path() -> Path:
@@ -150,7 +163,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
     from .gguf_loader import read_gguf
     from .progress import status
 
-    def unwritable(e: OSError) -> ModelNotFoundError:
+    def unwritable(e: Exception) -> ModelNotFoundError:
         return ModelNotFoundError(f"cannot write the converted model into {out.parent} ({e}); set SPD_FAST_CACHE "
                                   f"to a writable directory with room for it")
 
@@ -192,11 +205,17 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                                           f"{reason}); use the model's Hugging Face checkpoint directory, or a GGUF "
                                           f"file with tokenizer metadata") from None
                 tok.save_pretrained(str(tmp))
+            _settle(tmp)  # on disk before the marker says it is complete: a power cut must not leave a marked stub
             (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
                  "torch": torch.__version__, "source_hash": gguf_hash(path)}))
+            _settle(tmp)
             _publish(tmp, out)
         except OSError as e:  # a full disk while writing
+            raise unwritable(e) from None
+        except Exception as e:  # safetensors' own error for a full disk is not an OSError
+            if type(e).__name__ != "SafetensorError":
+                raise
             raise unwritable(e) from None
         finally:
             if tmp.exists():
@@ -222,12 +241,45 @@ def _finished(d: Path) -> bool:
     return read_marker(d) is not None
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads' file creation)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _settle(tmp: Path) -> None:
+    """A conversion directory made readable as any file this user writes would be (mkdtemp makes it 0700, and a
+    cache shared by several users then looked like a killed writer's to the others) and flushed to disk."""
+    mask = _umask()
+    os.chmod(tmp, 0o777 & ~mask)
+    for f in tmp.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _publish(tmp: Path, out: Path) -> None:
     """Move a finished conversion `tmp` to `out`. Several processes may convert at once (the ranks of
     a first distributed run): the first to finish wins, and the others keep its directory, which may
     already be in use; only a directory without the marker (a killed writer's) is replaced."""
     if _finished(out):
         return
+    marker = out / _MARKER
+    if marker.exists() and not os.access(marker, os.R_OK):  # another user's finished conversion, not a stub
+        raise ModelNotFoundError(f"the converted model {out} belongs to another user and cannot be read; set "
+                                 "SPD_FAST_CACHE to a directory of your own, or ask its owner to make it readable")
     if out.exists():
         # move it aside first (atomic), then look again: a winner may have published in between
         stale = out.parent / f".stale-{_owner()}-{uuid.uuid4().hex[:8]}"
@@ -271,10 +323,10 @@ def _drop_orphans(models: Path) -> None:
     host = socket.gethostname()
     for d in models.iterdir():
         for kind in (".tmp-", ".stale-"):
-            if d.name.startswith(f"{kind}{host}-"):
-                pid = d.name[len(kind) + len(host) + 1:].split("-", 1)[0]
-                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                    shutil.rmtree(d, ignore_errors=True)
+            # exactly <kind><host>-<pid>-<suffix without dashes>: host "vm" must not take host "vm-9"'s ".tmp-vm-9-..."
+            m = re.fullmatch(re.escape(f"{kind}{host}-") + r"(\d+)-([^-]+)", d.name)
+            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _prune_older_conversions(path: Path, keep: Path) -> None:

@@ -1569,3 +1569,86 @@ def test_batched_generation_checks_ids_holds_the_lock_and_ends_open_streams(tiny
         eng.generate([[5, 9], []], 4)
     with pytest.raises(SpdConfigError, match=r"prompt 2 of the batch: prompt token 500 at position 1"):
         eng.generate([[5, 9], [3], [1, 500]], 4)
+
+
+def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused_before_caching(tmp_path, monkeypatch):
+    """The convertibility check read tensor names only: a GGUF whose feed-forward width (or head size) disagreed
+    with its tensors was converted, marked finished, and failed every later load with advice to "use the checkpoint's
+    own config.json", which a GGUF user does not have."""
+    from spd_fast.store import convert_gguf
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, drop=("feed_forward_length",),
+               kv={"llama.feed_forward_length": 80})
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SpdConfigError, match=r"m.gguf: its metadata does not match its tensors \(\d+ differ, e.g. "
+                                             r"layers.0.mlp.w_gate_up.weight has shape \[192, 64\] where the metadata "
+                                             r"implies \[160, 64\]\); the file cannot load"):
+        convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tmp_path)
+    assert not (tmp_path / "cache" / "models").exists() or not list((tmp_path / "cache" / "models").iterdir())
+
+
+def test_fused_tensors_of_disagreeing_shapes_are_a_checkpoint_error():
+    """q/k/v (or gate/up) whose widths disagree went to torch.cat and came out as a raw RuntimeError."""
+    import torch
+
+    from spd_fast.config import ModelConfig
+    from spd_fast.loading import _hf_to_ours
+    from conftest import TINY
+    from transformers import LlamaConfig
+
+    cfg = ModelConfig.from_hf_dict(LlamaConfig(num_hidden_layers=1, tie_word_embeddings=True, **TINY).to_dict())
+    H, F = TINY["hidden_size"], TINY["intermediate_size"]
+    sd = {"model.embed_tokens.weight": torch.zeros(97, H), "model.norm.weight": torch.zeros(H)}
+    a, p = "model.layers.0.self_attn.", "model.layers.0."
+    sd.update({a + "q_proj.weight": torch.zeros(H, H), a + "k_proj.weight": torch.zeros(32, 48),
+               a + "v_proj.weight": torch.zeros(32, H), a + "o_proj.weight": torch.zeros(H, H),
+               p + "mlp.gate_proj.weight": torch.zeros(F, H), p + "mlp.up_proj.weight": torch.zeros(F, H),
+               p + "mlp.down_proj.weight": torch.zeros(H, F), p + "input_layernorm.weight": torch.zeros(H),
+               p + "post_attention_layernorm.weight": torch.zeros(H)})
+    with pytest.raises(SpdConfigError, match=r"tensors model.layers.0.self_attn.q_proj.weight, .*k_proj.weight, "
+                                             r".*v_proj.weight cannot be fused: their shapes \[64, 64\], \[32, 48\], "
+                                             r"\[32, 64\] disagree; the checkpoint is damaged"):
+        _hf_to_ours(cfg, sd)
+
+
+def test_conversion_cache_is_readable_by_others_flushed_and_keeps_other_hosts_temp_dirs(tiny_checkpoint, tmp_path,
+                                                                                        monkeypatch):
+    """mkdtemp made each conversion 0700, so another user of a shared cache took it for a killed writer's and
+    moved it aside; safetensors' full-disk error was a raw traceback; host "vm" removed host "vm-9"'s temp dir."""
+    import os
+    import socket
+
+    import spd_fast.store as store
+
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False)
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    tok = Path(tiny_checkpoint("llama"))
+    out = store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tok)
+    mask = store._umask()
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+    assert all((f.stat().st_mode & 0o777) == 0o666 & ~mask for f in out.iterdir())
+    assert len(synced) >= 2 * (len(list(out.iterdir())) - 1)  # every file before the marker, then again with it
+    # another host's temp dir whose name starts with this host's name and a dead pid of this host
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm")
+    theirs = out.parent / ".tmp-vm-9-123456-abc_xyz"
+    mine_dead = out.parent / ".tmp-vm-999999999-abc_xyz"
+    theirs.mkdir()
+    mine_dead.mkdir()
+    store._drop_orphans(out.parent)
+    assert theirs.is_dir() and not mine_dead.exists()
+    # safetensors' own error for a full disk
+    SafetensorError = type("SafetensorError", (Exception,), {})
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache2"))
+    with pytest.raises(SpdConfigError, match=r"cannot write the converted model into .*No space left on device.*set "
+                                             r"SPD_FAST_CACHE to a writable directory"):
+        store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tok)
