@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from spd_fast.cli_common import (check_output, cli_message, float_list, int_list, kv_length, non_negative_int,
                                      positive_int, positive_thread_count, seed_int)
     from spd_fast.config import SpdConfigError
-    from spd_fast.evaluate import evaluate_acceptance, markdown_table, write_results
+    from spd_fast.evaluate import GreedyMismatch, evaluate_acceptance, markdown_table, write_results
     from spd_fast.sampling import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpdConfigError as e:
         print(f"eval_acceptance.py: error: {cli_message(e, p)}", file=sys.stderr)
         return 2
+    except GreedyMismatch as e:
+        print(f"eval_acceptance.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra:  # named by the subcommand, whose --help lists its options (the top level's does not)
             sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
             sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        if sys.stdout is None and args.command in ("generate", "bench", "eval", "info"):  # `spd-fast ... >&-`
+            raise SpdConfigError("standard output is closed; run it with an output (a terminal, a pipe or > FILE)")
         try:
             return args.func(args)
         except SpdConfigError as e:

@@ -142,6 +142,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
             "dtype": dtype_name(args.dtype), "prompts": len(prompts), "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": kernel_backend(),
+            "kernels_run": kernel_backend(args.device), "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
             "model": args.model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "placement": args.placement,
             "lookup": args.lookup, "max_len": args.max_len}
     return {"meta": meta, "rows": rows}
@@ -199,13 +200,18 @@ def run_eval_cli(args: argparse.Namespace) -> int:
         SamplingParams(t)
     check_output(args.out, "--out", stem=True)
     apply_runtime_options(args)
-    res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
-                              cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
-                              device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup,
-                              placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None,
-                              max_len=args.max_len,
-                              on_warning=lambda m: args.json or print(f"spd-fast: warning: {cli_warning(m)}",
-                                                                      file=sys.stderr))
+    from .evaluate import GreedyMismatch
+
+    try:
+        res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
+                                  cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,
+                                  device=args.device, progress=not args.json, seed=args.seed, lookup=args.lookup,
+                                  placement=args.placement, cuda_graphs=False if args.no_cuda_graphs else None,
+                                  max_len=args.max_len,
+                                  on_warning=lambda m: print(f"spd-fast: warning: {cli_warning(m)}", file=sys.stderr))
+    except GreedyMismatch as e:  # as bench says it: one line, status 1
+        print(f"spd-fast: error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(res))
     else:

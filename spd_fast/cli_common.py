@@ -325,7 +325,8 @@ def print_warnings(caught: list) -> None:
 
 def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, draft: str | None = None) -> Any:
     """spd_fast.load with the common options; warnings (e.g. 'no shipped head') go to stderr as one
-    line each unless quiet."""
+    line each, quiet or not (quiet: no progress; --json keeps stdout for its JSON, and a script still needs to
+    hear that it got a random head)."""
     import spd_fast
 
     with warnings.catch_warnings(record=True) as caught:
@@ -336,6 +337,5 @@ def load_engine(args: argparse.Namespace, num_stages: int | None, quiet: bool, d
                             placement=getattr(args, "placement", "local"),
                             cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                             lookup=getattr(args, "lookup", DEFAULT_LOOKUP))
-    if not quiet:
-        print_warnings(caught)
+    print_warnings(caught)
     return eng

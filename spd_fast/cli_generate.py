@@ -14,7 +14,7 @@ def add_parser(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate text (streams verified tokens, then a summary line)",
                        description="Generate with SPD (or the AR baseline). Text streams to stdout as it is "
                        "verified; the summary line goes to stderr.", formatter_class=DefaultsFormatter)
-    g.add_argument("prompt", nargs="?", help="raw text prompt (no chat template)")
+    g.add_argument("prompt", nargs="?", help="raw text prompt (no chat template); - reads it from standard input")
     g.add_argument("--user", action="append", default=[], help="a user message (repeatable; chat template)")
     g.add_argument("--system", help="a system message (with --user)")
     g.add_argument("--method", choices=["spd", "ar"], default="spd",
@@ -43,6 +43,19 @@ def _prompt(args: argparse.Namespace) -> Any:
     # an empty --system is a system message (it replaces the chat template's default one), not no message
     if args.prompt is not None and (args.user or args.system is not None):
         raise SpdConfigError("pass either a raw prompt or --system/--user messages, not both")
+    if args.prompt == "-":  # `echo ... | spd-fast generate -`, as llama.cpp and shells do
+        if sys.stdin is None:
+            raise SpdConfigError("the prompt - reads standard input, which is closed; pipe the prompt in")
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpdConfigError(f"standard input is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                                 "convert it (e.g. iconv -t UTF-8) before piping it in") from None
+        text = text[:-1] if text.endswith("\n") else text  # the newline echo adds is not part of the prompt
+        if not text:
+            raise SpdConfigError("standard input was empty; pipe a non-empty prompt in")
+        return text
     if args.prompt is not None:
         return args.prompt
     if args.user:

@@ -215,7 +215,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                                                      r.metrics["new_tokens"] - 1)
                         ar_ids, ar_s, ar_tok = ar_runs[temp, cat, i]
                         if temp == 0 and ar_ids != o.token_ids:
-                            raise RuntimeError(f"greedy SPD output differs from AR on prompt {rec.get('id', i)} "
+                            raise GreedyMismatch(f"greedy SPD output differs from AR on prompt {rec.get('id', i)} "
                                                f"(n={n}); this is a bug, please report it with this prompt")
                         acc["ar_s"] += ar_s
                         acc["ar_tok"] += ar_tok
@@ -236,7 +236,8 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             "draft_digest": digests[0] if len(set(digests)) == 1 else digests, "max_new_tokens": max_new_tokens,
             "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
             "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": dtype_name(dtype),
-            "device": str(device), "placement": placement, "kernels": kernel_backend(), "max_len": max_len}
+            "device": str(device), "placement": placement, "kernels": kernel_backend(),
+            "kernels_run": kernel_backend(device), "cuda_graphs": cuda_graphs, "max_len": max_len}
     return {"meta": meta, "rows": rows}
 
 
@@ -301,14 +302,24 @@ def write_results(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     return js, md
 
 
-def kernel_backend() -> str:
-    """The fused-op backend in use (spd_fast.kernels), "torch" where that module cannot load."""
+def kernel_backend(device: Any = None) -> str:
+    """The fused-op backend in use (spd_fast.kernels), "torch" where that module cannot load; with `device`, the one
+    that really runs there ("auto" resolved: cpp or torch on a CPU, triton or torch on a GPU)."""
     try:
         from . import kernels
 
-        return kernels.get_backend()
-    except (ImportError, AttributeError):
+        b = kernels.get_backend()
+        if device is not None:
+            import torch
+
+            b = kernels.resolve(b, torch.device(device))
+        return b
+    except (ImportError, AttributeError, SpdConfigError):
         return "torch"
+
+
+class GreedyMismatch(RuntimeError):
+    """Greedy SPD gave other tokens than greedy AR: a bug, never a result."""
 
 
 # ---- where acceptance comes from ------------------------------------------------------------------

@@ -276,6 +276,16 @@ def test_eval_shows_load_warnings_keeps_dots_in_out_and_records_its_setup(tmp_pa
     assert (tmp_path / "n7_t0.7.md").is_file() and not (tmp_path / "n7_t0.json").exists()
     assert meta["model"] == "SmolLM2-135M-Instruct" and len(meta["model_fingerprint"]) >= 8
     assert (meta["max_len"], meta["placement"], meta["dtype"], meta["device"]) == (512, "local", "float32", "cpu")
+    # the backend that ran, not only the one asked for ("auto"): on a CPU, the C++ ops or the PyTorch twins
+    from spd_fast import cpp_ops, kernels
+    from spd_fast.evaluate import kernel_backend
+
+    assert meta["kernels"] == meta["kernels_run"] == "torch" and meta["cuda_graphs"] is None  # the default
+    with kernels.use_backend("auto"):
+        assert kernel_backend() == "auto" and kernel_backend("cpu") == ("cpp" if cpp_ops.available() else "torch")
+    # --json keeps stdout for its JSON, but a random head is still said on stderr (it was hidden)
+    rc, out, err = run_cli(["generate", "Hi", "-n", "7", "--max-new-tokens", "2", "--max-len", "512", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["draft"] == "random" and "spd-fast: warning: no shipped draft head" in err
     assert meta["kernels"] in ("torch", "cpp", "triton", "auto")
 
 
@@ -1106,3 +1116,55 @@ def test_bench_and_eval_lists_take_each_value_once():
 
     assert int_list("3,2,3,2") == [3, 2] and float_list("0,0.7,0.0") == [0.0, 0.7]
     assert layer_list("0,10,10,30") == [0, 10, 10, 30]
+
+
+def test_generate_reads_the_prompt_from_standard_input(monkeypatch):
+    """`echo ... | spd-fast generate -` took "-" as the prompt text."""
+    import argparse
+    import io
+
+    from spd_fast.cli_generate import _prompt
+
+    def args(prompt):
+        return argparse.Namespace(prompt=prompt, user=[], system=None)
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Héllo, world\n".encode())))
+    assert _prompt(args("-")) == "Héllo, world"  # the newline echo adds is dropped
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9")))
+    with pytest.raises(SpdConfigError, match=r"standard input is not UTF-8 text \(byte 3: b'\\xe9'\); convert it"):
+        _prompt(args("-"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    with pytest.raises(SpdConfigError, match="standard input was empty"):
+        _prompt(args("-"))
+    assert _prompt(args("plain")) == "plain"
+
+
+def test_a_closed_stdout_and_a_greedy_mismatch_are_one_line(capsys, monkeypatch):
+    """`spd-fast generate hi >&-` died in an AttributeError traceback; an eval whose greedy SPD differed from AR
+    raised a raw RuntimeError where bench says it in one line with status 1."""
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m spd_fast generate hi >&-"], capture_output=True,
+                       text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == ("spd-fast: error: standard output is closed; run it with an "
+                                                      "output (a terminal, a pipe or > FILE)"), r.stderr
+    import spd_fast.evaluate as ev
+
+    def mismatch(*a, **k):
+        raise ev.GreedyMismatch("greedy SPD output differs from AR on prompt chat-0 (n=3); this is a bug")
+
+    monkeypatch.setattr(ev, "evaluate_acceptance", mismatch)
+    rc, out, err = run_cli(["eval", "--limit", "1", "--max-new-tokens", "2"], capsys)
+    assert rc == 1 and err.strip() == "spd-fast: error: greedy SPD output differs from AR on prompt chat-0 (n=3); " \
+                                      "this is a bug" and out == ""
+
+
+def test_importing_the_package_does_not_import_torch():
+    """The public names load on first use: `import spd_fast` is instant, and a Ctrl-C during the CLI's start lands in
+    its handler (exit 130) rather than in a traceback through torch's import."""
+    code = ("import sys, spd_fast; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from spd_fast import generate, SamplingParams, SpdConfigError; import spd_fast.engine; "
+            "assert spd_fast.engine.SPDEngine and spd_fast.Engine.__name__ == 'Engine'; "
+            "assert not hasattr(spd_fast, 'no_such_thing') and 'generate' in dir(spd_fast'); print('ok')")
+    code = code.replace("dir(spd_fast')", "dir(spd_fast)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
