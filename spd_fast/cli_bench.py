@@ -188,7 +188,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 # ---- eval ----------------------------------------------------------------------------------------
 def run_eval_cli(args: argparse.Namespace) -> int:
     from .config import SpdConfigError
-    from .evaluate import evaluate_acceptance, markdown_table, write_results
+    from .evaluate import GreedyMismatch, evaluate_acceptance, markdown_table, write_results
     from .sampling import SamplingParams
 
     cats = list(dict.fromkeys(c.strip() for c in args.categories.split(",") if c.strip()))  # each category once
@@ -200,8 +200,6 @@ def run_eval_cli(args: argparse.Namespace) -> int:
         SamplingParams(t)
     check_output(args.out, "--out", stem=True)
     apply_runtime_options(args)
-    from .evaluate import GreedyMismatch
-
     try:
         res = evaluate_acceptance(args.num_stages, args.temperatures, args.limit, args.max_new_tokens, args.draft,
                                   cats, with_ar=not args.no_ar, model=args.model, dtype=args.dtype,

@@ -32,6 +32,7 @@ def add_parser(sub: Any) -> None:
 
 STOP_WAIT_S = 10.0  # seconds Ctrl-C waits for the request that is decoding to end at its next piece
 
+
 def _listen_error(args: argparse.Namespace, e: OSError) -> SpdConfigError:
     from .server import bind_hint
 

@@ -216,7 +216,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
                         ar_ids, ar_s, ar_tok = ar_runs[temp, cat, i]
                         if temp == 0 and ar_ids != o.token_ids:
                             raise GreedyMismatch(f"greedy SPD output differs from AR on prompt {rec.get('id', i)} "
-                                               f"(n={n}); this is a bug, please report it with this prompt")
+                                                 f"(n={n}); this is a bug, please report it with this prompt")
                         acc["ar_s"] += ar_s
                         acc["ar_tok"] += ar_tok
                 per_cat[cat] = acc

@@ -76,6 +76,14 @@ class RequestError(Exception):
 class ServerStopping(Exception):
     """The server was asked to stop (Ctrl-C) while this request decoded: it ends at its next piece."""
 
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; send the request again once it is back")
+
+
+def _too_big(size: int) -> RequestError:
+    return RequestError(413, f"the request body has {size} bytes, more than this server takes ({MAX_BODY}); send a "
+                             "shorter prompt")
+
 
 _ENGINE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
@@ -244,8 +252,7 @@ class SpdServer:
                     if gone is not None and gone():
                         raise ClientGone
                     if self.stopping.is_set():
-                        raise ServerStopping("the server is shutting down; send the request again once it is "
-                                             "back")
+                        raise ServerStopping
             finally:
                 chunks.close()
             text, token_ids, metrics = "".join(parts), list(eng.last_token_ids), eng.last_metrics
@@ -291,7 +298,7 @@ class SpdServer:
         for piece in chunks:
             yield event(piece)
             if self.stopping.is_set():
-                raise ServerStopping("the server is shutting down; send the request again once it is back")
+                raise ServerStopping
         eng = self.engine
         yield event(None if chat else "", _FINISH[eng.last_finish_reason])
         if usage:
@@ -406,8 +413,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 raise RequestError(400, f"Content-Length must be a number of bytes >= 0, got {text!r}") from None
             if size > MAX_BODY:
                 self.close_connection = True
-                raise RequestError(413, f"the request body has {size} bytes, more than this server takes "
-                                        f"({MAX_BODY}); send a shorter prompt")
+                raise _too_big(size)
             data = self.rfile.read(size) if size else b""
             if len(data) < size:  # the client closed the connection before it sent the body it announced
                 self.close_connection = True
@@ -423,8 +429,7 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
                 size = 0
             if size > MAX_BODY:
                 self.close_connection = True
-                self._error(413, f"the request body has {size} bytes, more than this server takes ({MAX_BODY}); "
-                                 "send a shorter prompt")
+                self._error(413, str(_too_big(size)))
                 return False
             return super().handle_expect_100()
 

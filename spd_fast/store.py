@@ -15,6 +15,7 @@ import socket
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Iterable
 
 from .config import SpdConfigError
 
@@ -70,9 +71,7 @@ def _check_convertible(path: Path, cfg: dict, sd: dict) -> None:
     import torch
 
     from .config import ModelConfig
-    from .loading import _hf_to_ours
-
-    from .loading import CheckpointError
+    from .loading import CheckpointError, _hf_to_ours
     from .model import Transformer
 
     try:
@@ -157,6 +156,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
     if _finished(out):
         return out
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -205,17 +205,13 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                                           f"{reason}); use the model's Hugging Face checkpoint directory, or a GGUF "
                                           f"file with tokenizer metadata") from None
                 tok.save_pretrained(str(tmp))
-            _settle(tmp)  # on disk before the marker says it is complete: a power cut must not leave a marked stub
+            _settle(tmp, tmp.iterdir())  # on disk before the marker says it is complete: no marked stub after a crash
             (tmp / _MARKER).write_text(json.dumps(
                 {"source": str(path.resolve()), "host": socket.gethostname(), "format": _FORMAT,
                  "torch": torch.__version__, "source_hash": gguf_hash(path)}))
-            _settle(tmp)
+            _settle(tmp, [tmp / _MARKER])
             _publish(tmp, out)
-        except OSError as e:  # a full disk while writing
-            raise unwritable(e) from None
-        except Exception as e:  # safetensors' own error for a full disk is not an OSError
-            if type(e).__name__ != "SafetensorError":
-                raise
+        except (OSError, SafetensorError) as e:  # a full disk while writing (safetensors' own error is no OSError)
             raise unwritable(e) from None
         finally:
             if tmp.exists():
@@ -253,12 +249,13 @@ def _umask() -> int:
     return 0o022
 
 
-def _settle(tmp: Path) -> None:
-    """A conversion directory made readable as any file this user writes would be (mkdtemp makes it 0700, and a
-    cache shared by several users then looked like a killed writer's to the others) and flushed to disk."""
+def _settle(tmp: Path, files: Iterable[Path]) -> None:
+    """`files` of a conversion directory, and the directory itself, made readable as anything this user writes
+    would be (mkdtemp makes it 0700, and a cache shared by several users then looked like a killed writer's to the
+    others) and flushed to disk."""
     mask = _umask()
     os.chmod(tmp, 0o777 & ~mask)
-    for f in tmp.iterdir():
+    for f in files:
         if f.is_file():
             os.chmod(f, 0o666 & ~mask)
             with open(f, "rb") as fh:

@@ -1292,7 +1292,7 @@ def test_batched_generation_refuses_an_empty_prompt_and_an_overlong_batch(tiny_c
 
     m = load_hf_dir(tiny_checkpoint("llama"))
     m.setup_caches(2, 32)
-    with pytest.raises(SpdConfigError, match=r"prompt 1 of the batch is empty; give every prompt at least one token"):
+    with pytest.raises(SpdConfigError, match=r"prompt 1 of the batch: the prompt has no tokens; pass at least one"):
         generate_batch(m, [[1, 2], []], 4, SamplingParams(), [])
     with pytest.raises(SpdConfigError, match=r"longest prompt 30 \+ max_new_tokens 4 exceeds the cache's max_len 32"):
         generate_batch(m, [[1] * 30], 4, SamplingParams(), [])
@@ -1511,8 +1511,8 @@ def test_a_damaged_shipped_head_is_named(tmp_path, monkeypatch):
     (heads / "b-broken").mkdir()
     (heads / "b-broken" / "draft_config.json").write_text('{"format_version": ')
     monkeypatch.setattr(api, "HEADS_DIR", heads)
-    with pytest.raises(SpdConfigError, match=r"the shipped draft head b-broken is damaged \(.*draft_config.json is not a "
-                                             r"valid draft head config.*\); reinstall spd_fast, or pass draft="):
+    with pytest.raises(SpdConfigError, match=r"the shipped draft head b-broken is damaged \(.*draft_config.json is "
+                                             r"not a valid draft head config.*\); reinstall spd_fast, or pass draft="):
         api.shipped_head(SimpleNamespace(fingerprint="none"), 3)
     shutil.rmtree(heads / "b-broken")  # the good one alone is found as before
     fp = json.loads((good / "draft_config.json").read_text())["base_fingerprint"]
@@ -1630,7 +1630,7 @@ def test_conversion_cache_is_readable_by_others_flushed_and_keeps_other_hosts_te
     mask = store._umask()
     assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
     assert all((f.stat().st_mode & 0o777) == 0o666 & ~mask for f in out.iterdir())
-    assert len(synced) >= 2 * (len(list(out.iterdir())) - 1)  # every file before the marker, then again with it
+    assert len(synced) == len(list(out.iterdir())) + 2  # each file and the directory, then the marker and it again
     # another host's temp dir whose name starts with this host's name and a dead pid of this host
     monkeypatch.setattr(socket, "gethostname", lambda: "vm")
     theirs = out.parent / ".tmp-vm-9-123456-abc_xyz"
@@ -1640,7 +1640,7 @@ def test_conversion_cache_is_readable_by_others_flushed_and_keeps_other_hosts_te
     store._drop_orphans(out.parent)
     assert theirs.is_dir() and not mine_dead.exists()
     # safetensors' own error for a full disk
-    SafetensorError = type("SafetensorError", (Exception,), {})
+    from safetensors import SafetensorError
 
     def full(*a, **k):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

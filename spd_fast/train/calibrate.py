@@ -159,9 +159,8 @@ def calibrate(target_obj, head, samples: Sequence[dict], temperatures: Sequence[
     for x in copy_boosts:
         if x is None or not valid_boost(x):
             raise SpdConfigError(f"copy boosts must be numbers in [0, {COPY_BOOST_MAX:g}], got {x!r}")
-    # a value given twice was scored twice into one cell (its acceptance doubled, and it won): each once
     temperatures, scales, gate_confidences, gate_ratios, copy_boosts = (
-        tuple(dict.fromkeys(v)) for v in (temperatures, scales, gate_confidences, gate_ratios, copy_boosts))
+        _unique(v) for v in (temperatures, scales, gate_confidences, gate_ratios, copy_boosts))
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("base", "one_hot", "boost")}
     fired: list[tuple[float, float, bool, bool, bool]] = []
     pdm_right = 0
@@ -273,6 +272,12 @@ def _some_floats(text: str) -> list[float]:
     return vals
 
 
+def _unique(values: Sequence) -> tuple:
+    """Each grid value once, in order: one given twice was scored twice into one cell (its acceptance doubled, and
+    it won)."""
+    return tuple(dict.fromkeys(values))
+
+
 def _check_writable(head: str | Path) -> None:
     """--write replaces HEAD/draft_config.json through a temporary file beside it: refuse before the run
     (minutes) when that cannot work, not with a traceback after it."""
@@ -306,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                formatter_class=argparse.RawDescriptionHelpFormatter, help_command="python -m spd_fast.train.calibrate")
     p.add_argument("head", help="head directory (draft_config.json + draft.safetensors)")
     p.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--val", action="append", default=[], help="held-out data (.jsonl/.jsonl.gz/.json/.txt/.parquet, as the trainer's --data); repeatable")
+    p.add_argument("--val", action="append", default=[],
+                   help="held-out data (.jsonl/.jsonl.gz/.json/.txt/.parquet, as the trainer's --data); repeatable")
     p.add_argument("--val-limit", type=positive_int, default=140, help="use at most this many samples (default 140)")
     p.add_argument("--temperatures", type=_some_floats, default=list(DEFAULT_TEMPERATURES),
                    help=f"temperatures to fit the scale at (default {','.join(map(str, DEFAULT_TEMPERATURES))})")
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
     for k in ("temperatures", "scales", "gate_confidences", "gate_ratios", "copy_boosts"):  # as calibrate() reads them
-        setattr(a, k, list(dict.fromkeys(getattr(a, k))))
+        setattr(a, k, _unique(getattr(a, k)))
     try:
         from .data import read_val_samples
 

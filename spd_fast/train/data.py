@@ -164,9 +164,9 @@ def self_distill(target: Target, prompts: list[dict], out_path: str | Path, max_
     enc.sort(key=lambda x: len(x[1]))  # similar lengths batch together
     params = SamplingParams(temperature=temperature, seed=seed)
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
-    longest = max((len(e) for _, e in enc), default=0)
     if not enc:
         return out_path
+    longest = max(len(e) for _, e in enc)
     target.model.setup_caches(batch_size, longest + max_new_tokens + 1)
     batches = [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
     try:
