@@ -64,6 +64,15 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def tokenizer_flags(path: Path) -> dict[str, bool]:
+    """Whether the GGUF's tokenizer adds a BOS / an EOS token to an encoded text (`tokenizer.ggml.add_bos_token`,
+    `add_eos_token`), as {"add_bos_token": ..., "add_eos_token": ...} for the keys the file holds. transformers 4.x
+    rebuilds a GGUF tokenizer as a Llama one that adds BOS whatever the file says; the conversion applies these."""
+    reader = _open(path)
+    return {name: bool(v) for name in ("add_bos_token", "add_eos_token")
+            if (v := _field(reader, f"tokenizer.ggml.{name}")) is not None}
+
+
 def gguf_config(reader) -> dict[str, Any]:
     parts = _field(reader, "split.count")
     if isinstance(parts, int) and parts > 1:  # one file of a model split by llama.cpp's gguf-split

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .ops import take
+from .sampling import top_p_drop
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
@@ -42,8 +43,8 @@ def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[..., V] logits -> fp32 probabilities after temperature, top-k (0: off) and top-p (1: off).
 
-    A token survives top-p iff the mass of the tokens strictly more likely than it is < top_p.
-    Bit-identical to probs_from_logits when no tie straddles the top-p boundary.
+    A token survives top-p iff the mass of the tokens strictly more likely than it is < top_p (`top_p_drop`).
+    Bit-identical to sampling.probs_from_logits, which takes the same settings as one SamplingParams.
     """
     x = logits.float() / temperature
     V = x.shape[-1]
@@ -51,17 +52,7 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sp = torch.softmax(sorted_x.double(), dim=-1)  # fp64, as the fused ops: see sampling.probs_from_logits
-        before = sp.cumsum(-1) - sp
-        # each sorted position looks at the mass before the first member of its run of equal logits
-        first = torch.ones_like(sorted_x, dtype=torch.bool)
-        first[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
-        pos = torch.arange(V, device=x.device).expand_as(sorted_x)
-        run_start = torch.where(first, pos, 0).cummax(-1).values
-        drop_sorted = before.gather(-1, run_start) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(top_p_drop(x, top_p), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 

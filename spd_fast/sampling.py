@@ -56,8 +56,8 @@ class SamplingParams:
             raise SpdConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
             raise SpdConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
-        # below 1/V every top_p keeps the top token and its ties alone; one under fp32's smallest number (1e-46)
-        # would compare as 0 and drop every token (NaN probabilities), so it is read as MIN_TOP_P
+        # below 1/V every top_p keeps the top token and its ties alone (top_p_drop); one under fp32's smallest number
+        # (1e-46) would compare as 0 and drop every token (NaN probabilities), so it is read as MIN_TOP_P
         object.__setattr__(self, "top_p", max(float(p), MIN_TOP_P))
         if self.seed is not None:  # None: a fresh random seed per call
             check_seed(self.seed)
@@ -75,14 +75,26 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        # fp64: an fp32 softmax of a 49k-token row sums to 1 + ~5e-6, enough to move the cut by a token
-        sp = torch.softmax(sorted_x.double(), dim=-1)
-        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
-        drop_sorted = (sp.cumsum(-1) - sp) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(top_p_drop(x, params.top_p), float("-inf"))
     return torch.softmax(x, dim=-1)
+
+
+def top_p_drop(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] tempered logits -> bool mask of the tokens top-p drops. A token survives iff the mass of the tokens
+    strictly more likely than it is < top_p, so the top token and every token tied with it always survive, and a
+    run of equal logits is kept or dropped whole (as the C++ and Triton ops do), whatever order the sort gives it."""
+    V = x.shape[-1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    # fp64: an fp32 softmax of a 49k-token row sums to 1 + ~5e-6, enough to move the cut by a token
+    sp = torch.softmax(sorted_x.double(), dim=-1)
+    before = sp.cumsum(-1) - sp
+    # each sorted position takes the mass before the first member of its run of equal logits
+    first = torch.ones_like(sorted_x, dtype=torch.bool)
+    first[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    pos = torch.arange(V, device=x.device).expand_as(sorted_x)
+    run_start = torch.where(first, pos, 0).cummax(-1).values
+    drop_sorted = before.gather(-1, run_start) >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

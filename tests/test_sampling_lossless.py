@@ -248,3 +248,25 @@ def test_each_draft_comes_with_the_q_it_was_drawn_from(small_model, params):
     keep = exp > 5
     assert int(keep.sum()) >= 3
     assert chisquare(obs[keep].numpy(), (exp[keep] * obs[keep].sum() / exp[keep].sum()).numpy()).pvalue > P_MIN
+
+
+def test_top_p_keeps_or_drops_a_run_of_tied_logits_whole():
+    """top-p keeps every token tied with the top one, and a run of equal logits at the cut is kept or dropped
+    together, whatever order the sort puts it in: the engine's rule equals the C++/Triton ops' twin, and a tiny
+    top_p then equals top_k=1 on tied top logits."""
+    from spd_fast.ops_explicit import processed_probs
+
+    tie = torch.tensor([1.0, 1.0, 0.0])
+    for p in (1e-30, 0.3):
+        got = probs_from_logits(tie, SamplingParams(temperature=1.0, top_p=p))
+        assert torch.allclose(got, torch.tensor([0.5, 0.5, 0.0])), (p, got)
+        assert torch.equal(got, probs_from_logits(tie, SamplingParams(temperature=1.0, top_k=1)))
+    for x in (torch.tensor([2.0, 1.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0, 2.0])):
+        got = probs_from_logits(x, SamplingParams(temperature=1.0, top_p=0.6))
+        assert torch.equal(got, processed_probs(x, 1.0, 0, 0.6))
+        assert got[1] == got[2] > 0 and got[x.argmin()] == 0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 50), generator=g).float()  # many ties
+    for p in (0.2, 0.5, 0.9):
+        assert torch.equal(probs_from_logits(x, SamplingParams(temperature=0.7, top_p=p)),
+                           processed_probs(x, 0.7, 0, p))
