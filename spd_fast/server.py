@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import urllib.parse
 import select
 import socket
 import sys
@@ -434,7 +435,8 @@ def _handler(server: SpdServer) -> type[BaseHTTPRequestHandler]:
             return super().handle_expect_100()
 
         def _route(self) -> str:
-            return self.path.split("?", 1)[0].rstrip("/") or "/"
+            # percent-decoded: clients quote a model name with "/" or spaces in GET /v1/models/{name}
+            return urllib.parse.unquote(self.path.split("?", 1)[0]).rstrip("/") or "/"
 
         def do_GET(self) -> None:
             try:

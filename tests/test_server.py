@@ -379,6 +379,8 @@ def test_bodies_routes_and_methods_keep_the_connection_usable(served):
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
     status, text = ask("GET", "/v1/models/smollm2")
     assert status == 200 and json.loads(text)["id"] == "smollm2"
+    status, text = ask("GET", "/v1/models/smoll%6D2")  # percent-encoded, as clients quote a name with "/"
+    assert status == 200 and json.loads(text)["id"] == "smollm2"
     status, text = ask("GET", "/v1/models/other")
     assert status == 404 and "the model 'other' does not exist" in text
     # HEAD answers as GET would, without a body, and reads a body sent with it
