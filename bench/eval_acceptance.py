@@ -51,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(res["rows"]))
         write_results(res, a.out)
     except SpdConfigError as e:
-        print(f"eval_acceptance.py: error: {cli_message(e, p)}", file=sys.stderr)
+        msg = cli_message(e, p)
+        if "model=<its model>" in msg:  # a head for another model: this script has no --model to load that one
+            msg += ("\n(this script runs the default model only; evaluate a head for another model with "
+                    "`spd-fast eval --model <its model> --draft HEAD`)")
+        print(f"eval_acceptance.py: error: {msg}", file=sys.stderr)
         return 2
     except GreedyMismatch as e:
         print(f"eval_acceptance.py: error: {e}", file=sys.stderr)

@@ -173,8 +173,9 @@ class DraftConfig:
         if self.base_fingerprint and fingerprint and self.base_fingerprint != fingerprint:
             raise DraftMismatchError(
                 f"the draft head was trained for other weights (fingerprint {self.base_fingerprint} vs model "
-                f"{fingerprint}); load the checkpoint it was trained for (model=<its model>), or use or train a "
-                f"head for this checkpoint")
+                f"{fingerprint}); load the checkpoint it was trained for (model=<its model>; a copy of it in fp32 "
+                f"or bf16 matches, one saved in fp16 or quantised does not), or use or train a head for this "
+                f"checkpoint")
         self.check_num_stages(num_stages)
         if boundaries is not None and tuple(boundaries) != self.boundaries:
             raise DraftMismatchError(

@@ -434,6 +434,12 @@ def test_trained_head_refuses_other_anchors_or_depth(tiny_checkpoint, tmp_path):
         _plan_on_rank0(path, cfg, torch.float32, 2, None, None, str(tmp_path / "h"), None, 7)
     assert DraftConfig.from_json(_plan_on_rank0(path, cfg, torch.float32, 2, None, None, str(tmp_path / "h"), None,
                                                 vd)["dcfg"]).draft_vocab_size == vd
+    # a head for another n: the fix is the number of ranks (--num-stages must equal it), not --num-stages
+    with pytest.raises(DraftMismatchError, match=r"trained for num_stages=2, and placement='distributed' runs one "
+                                                 r"stage per rank on 3 ranks; start 2 processes \(torchrun "
+                                                 r"--nproc-per-node 2\), or use draft='random'") as e:
+        _plan_on_rank0(path, cfg, torch.float32, 3, None, None, str(tmp_path / "h"), None, 0)
+    assert "pass num_stages" not in str(e.value)
 
 
 def test_rank0_plan_runs_the_shipped_head_at_other_boundaries_with_a_warning(tiny_checkpoint, tmp_path, monkeypatch):

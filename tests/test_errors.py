@@ -1680,3 +1680,19 @@ def test_conversion_cache_is_readable_by_others_flushed_and_keeps_other_hosts_te
     with pytest.raises(SpdConfigError, match=r"cannot write the converted model into .*No space left on device.*set "
                                              r"SPD_FAST_CACHE to a writable directory"):
         store.convert_gguf(tmp_path / "m.gguf", progress=False, tokenizer_from=tok)
+
+
+def test_chat_rows_for_a_model_without_a_chat_template_say_so():
+    """Chat training rows on a base model were "the model's chat template rejects these messages ...; fix the roles
+    or order", although nothing was wrong with the roles or the order."""
+    from types import SimpleNamespace
+
+    from spd_fast.train.data import row_samples
+
+    base = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), path="my-base",
+                           cfg=SimpleNamespace(vocab_size=100))
+    rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    with pytest.raises(SpdConfigError, match=r"chat.jsonl, row 1: a chat row, and the tokenizer in my-base has no chat "
+                                             r"template \(a base model\?\).*train on text instead") as e:
+        list(row_samples(rec, "chat.jsonl, row 1", "chat", 0, base))
+    assert "roles or order" not in str(e.value)

@@ -108,6 +108,16 @@ def test_bench_scripts_give_one_line_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(spd_fast, "load", lambda *a, **k: _Engine([1, 2], [1, 2]))
     assert stress.main(["--num-stages", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["identical"] == len(stress.PROMPTS)
+    # a head for another model: the advice to load that model names a command that can (this script has no --model)
+    import spd_fast.evaluate
+    from spd_fast.pdm import DraftMismatchError
+
+    def other_model(*a, **k):
+        raise DraftMismatchError("the draft head was trained for a different model (hidden_size: head 64 vs model "
+                                 "576); load the model it was trained for (model=<its model>), or train a head")
+    monkeypatch.setattr(spd_fast.evaluate, "evaluate_acceptance", other_model)
+    assert ev.main(["--limit", "1", "--no-ar", "--out", str(tmp_path / "x")]) == 2
+    assert "`spd-fast eval --model <its model> --draft HEAD`" in capsys.readouterr().err
 
 
 def test_stress_checks_every_n_and_the_out_path_first_and_keeps_finished_runs(monkeypatch, capsys, tmp_path):

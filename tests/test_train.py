@@ -562,7 +562,8 @@ def test_head_refuses_other_n_and_other_model(tiny_checkpoint, tmp_path):
     with pytest.raises(DraftMismatchError, match="trained for num_stages=2, not 3.*train a head for n=3"):
         load_draft(tmp_path / "h", m, "abc", num_stages=3)
     with pytest.raises(DraftMismatchError, match=r"trained for other weights .* load the checkpoint it was trained "
-                                                 r"for \(model=<its model>\)"):
+                                                 r"for \(model=<its model>; a copy of it in fp32 or bf16 matches, "
+                                                 r"one saved in fp16 or quantised does not\)"):
         load_draft(tmp_path / "h", m, "zzz", num_stages=2)
     other = tiny_target(tiny_checkpoint("qwen3"))
     with pytest.raises(DraftMismatchError, match=r"different model.*model_type: head llama vs model qwen3.*; load "

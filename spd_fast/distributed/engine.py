@@ -21,7 +21,7 @@ from ..api import _plain_numbers  # the api imports this package lazily: no cycl
 from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
                       check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
                       validate_num_stages)
-from ..pdm import DraftConfig, DraftHead, init_from_target, load_draft, read_draft_config
+from ..pdm import DraftConfig, DraftHead, DraftMismatchError, init_from_target, load_draft, read_draft_config
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
 from ..store import resolve_model_dir
@@ -69,6 +69,12 @@ def _plan_on_rank0(path: str, cfg: ModelConfig, dtype: torch.dtype, n: int, boun
     else:
         dcfg = read_draft_config(draft)  # a missing or malformed config: the same error as api.load's
         shipped = source.startswith("shipped:")  # as in api.load: the shipped head runs at any split of its n
+        if dcfg.num_stages != n:  # --num-stages must equal the world size here, so the fix is the rank count
+            dcfg.check_compatible(cfg, fp, None, None)  # another model or other weights: that error first
+            raise DraftMismatchError(
+                f"the draft head was trained for num_stages={dcfg.num_stages}, and placement='distributed' runs one "
+                f"stage per rank on {n} ranks; start {dcfg.num_stages} processes (torchrun --nproc-per-node "
+                f"{dcfg.num_stages}), or use draft='random', or train a head for n={n}")
         dcfg.check_compatible(cfg, fp, n, tuple(boundaries) if boundaries is not None and not shipped else None)
         dcfg.check_requested(anchors, draft_layers)
         if draft_vocab_size and draft_vocab_size != dcfg.draft_vocab_size:  # 0: the default, any head's own

@@ -290,6 +290,10 @@ def row_samples(rec: dict, where: str, stem: str, i: int, target: Target | None)
             # prompt, so it is not trained on; an empty answer that says why (the train command counts them)
             yield {"id": f"{stem}-{i}-opening", "prompt_ids": [], "response_ids": [], "skipped": OPENING_TURN}
         turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and k > 0]
+        if turns and getattr(target.tokenizer, "chat_template", None) is None:
+            raise SpdConfigError(f"{where}: a chat row, and the tokenizer in {target.path} has no chat template (a "
+                                 f"base model?), so its turns cannot be laid out as the model reads them; train on "
+                                 f"text instead: .txt or {{\"text\"}} .jsonl rows")
         for j, k in enumerate(turns):
             try:
                 prompt = chat_ids(target.tokenizer, msgs[:k])
