@@ -8,6 +8,7 @@ import numbers
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -230,9 +231,16 @@ class Engine:
         lock = model.decode_lock  # held while the decoder runs, never across a yield into the caller's code
         with lock:
             self._own_caches()  # another user of the model may have resized them since the call's capacity check
+            old = model.open_decode() if model.open_decode is not None else None
+            if old is not None:  # superseded here: it could only refuse to go on, so its state goes now
+                try:
+                    old.close()
+                except ValueError:  # it is running (this generation was started from inside it): it ends itself
+                    pass
             model.generations += 1
             mine = model.generations
             steps = self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn)
+            model.open_decode = weakref.ref(steps)
 
         def still_mine() -> None:
             if model.generations != mine:
@@ -339,7 +347,11 @@ class Engine:
         """Give the model back the KV cache this engine was built with: another Engine on the same loaded target,
         batched generation or training may have reallocated it at another size (a no-op otherwise). A
         reallocation ends any generation in progress on the old caches (`Transformer.setup_caches`)."""
-        self.target.model.setup_caches(1, self.max_len)
+        model = self.target.model
+        kc = model.layers[0].attn.k_cache
+        if kc is not None and kc.shape[0] > 1:  # batched generation grew it: give back all but one row's worth
+            model.free_caches()
+        model.setup_caches(1, self.max_len)
 
     def _extra_slots(self, method: str) -> int:
         """KV slots a decode needs beyond the prompt and its new tokens: SPD's in-flight tokens, graphed AR's lag."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -242,6 +243,9 @@ class Transformer(nn.Module):
         self.generations = 0
         # held by whoever decodes on these caches: generate() for its whole call, a stream while it computes a step
         self.decode_lock = threading.RLock()
+        # a weak reference to the decode generator of the latest generation: the next one closes it, since it can
+        # never go on, so a stream its caller still holds frees its state (SPD's anchor buffer: 4-75 MB) at once
+        self.open_decode: Callable[[], Iterator[int] | None] | None = None
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 

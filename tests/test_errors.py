@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import re
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -1107,7 +1109,12 @@ def test_a_stream_refuses_to_go_on_after_another_generation_reused_the_engine(de
     ref = eng.generate("Once upon a time", 12, method=method).token_ids
     s = eng.stream("Once upon a time", 12, method=method)
     next(s)
+    held = weakref.ref(eng.spd.last_state.anchors) if method == "spd" else None
     eng.generate("The capital of France is", 3, method=method)  # a side query while the stream is open
+    # the superseded stream, still held, no longer holds its state: SPD's anchor buffer is [max_len + 1, anchors,
+    # hidden] (18 MB at max_len 2048), and a caller keeping dead streams (a dict of sessions) held one each
+    gc.collect()
+    assert held is None or held() is None
     with pytest.raises(SpdConfigError, match=r"another generate\(\) or stream\(\) ran on this engine \(or on another "
                                              r"Engine sharing its loaded model\) while this stream was open .* load a "
                                              r"second engine with spd_fast.load\(\)"):
@@ -1597,6 +1604,13 @@ def test_batched_generation_checks_ids_holds_the_lock_and_ends_open_streams(tiny
         eng.generate([[5, 9], []], 4)
     with pytest.raises(SpdConfigError, match=r"prompt 2 of the batch: prompt token 500 at position 1"):
         eng.generate([[5, 9], [3], [1, 500]], 4)
+    # the engine's next generation gives back what a batch grew the shared KV cache to (it kept [B, ...] for good)
+    m2 = eng.target.model
+    ref = eng.generate([5, 9, 2], 6).token_ids
+    generate_batch(m2, [[1, 2, 3]] * 5, 4, SamplingParams(), [])
+    assert m2.layers[0].attn.k_cache.shape[0] == 5
+    assert eng.generate([5, 9, 2], 6).token_ids == ref
+    assert m2.layers[0].attn.k_cache.shape[0] == 1
 
 
 def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused_before_caching(tmp_path, monkeypatch):
