@@ -195,6 +195,7 @@ def _fake_conversion(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    monkeypatch.setattr(gguf_loader, "tokenizer_flags", lambda path: {})  # the fake file has no metadata to read
     monkeypatch.setattr(store, "_check_convertible", lambda path, cfg, sd: None)  # the fake tensors load nothing
     return store
 
