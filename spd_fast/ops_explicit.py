@@ -7,16 +7,15 @@ the exponential race of `spd_fast.sampling.sample_from` (one random number per v
 Shapes: one row [V] or a batch of rows [B, V]; u is [..., 2] for verification (acceptance, residual
 draw) and [...] for drafting.
 
-Logit processing (`processed_probs`) is `spd_fast.sampling.probs_from_logits` with one deterministic
-rule for logits tied at the top-p boundary (common with bf16 logits): the whole run of ties is kept
-or dropped together, where torch.sort would keep an arbitrary subset of it.
+Logit processing is the engine's own (`spd_fast.sampling.processed_probs`, which `probs_from_logits` calls): a
+run of logits tied at the top-p boundary (common with bf16 logits) is kept or dropped together.
 """
 from __future__ import annotations
 
 import torch
 
 from .ops import take
-from .sampling import top_p_drop
+from .sampling import processed_probs
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
@@ -38,22 +37,6 @@ def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     V = weights.shape[-1]
     last = torch.where(weights > 0, torch.arange(V, device=weights.device), 0).amax(-1)
     return torch.minimum(idx, last)
-
-
-def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[..., V] logits -> fp32 probabilities after temperature, top-k (0: off) and top-p (1: off).
-
-    A token survives top-p iff the mass of the tokens strictly more likely than it is < top_p (`top_p_drop`).
-    Bit-identical to sampling.probs_from_logits, which takes the same settings as one SamplingParams.
-    """
-    x = logits.float() / temperature
-    V = x.shape[-1]
-    if 0 < top_k < V:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        x = x.masked_fill(top_p_drop(x, top_p), float("-inf"))
-    return torch.softmax(x, dim=-1)
 
 
 def draft_sample_explicit(logits_d: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, temperature: float,

@@ -69,13 +69,19 @@ class SamplingParams:
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p."""
-    x = logits.float() / params.temperature
+    return processed_probs(logits, params.temperature, params.top_k, params.top_p)
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """probs_from_logits with the settings as plain arguments (top_k 0 and top_p 1: off), as the kernel twins in
+    ops_explicit take them."""
+    x = logits.float() / temperature
     V = x.shape[-1]
-    if 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        x = x.masked_fill(top_p_drop(x, params.top_p), float("-inf"))
+    if top_p < 1.0:
+        x = x.masked_fill(top_p_drop(x, top_p), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import errno
 import json
-import urllib.parse
 import select
 import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
