@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             ar_steps.append(r.decode_seconds / max(1, len(r.token_ids) - 1))
             eng.spd.profile, eng.spd.cycle_profile = True, []
             res = eng.spd.run(ids, a.new_tokens, SamplingParams(), [])
+            if res.token_ids != r.token_ids:  # a time for wrong tokens is worthless, and a bug
+                raise SystemExit(f"bench_cycle: greedy SPD at n={n} differs from AR on {text!r}; this is a bug")
             prof += [c for c in eng.spd.cycle_profile if c["fill"] == n]  # steady state (full pipeline)
             stats["dec"] += len(res.token_ids) - 1
             stats["cyc"] += res.metrics["cycles"]
@@ -63,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                "equivalent_accept_length": n * tpc}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    from spd_fast.evaluate import provenance
     from spd_fast.runtime import cpu_name
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(),
-            "threads": a.threads, "new_tokens": a.new_tokens}
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(), "threads": a.threads,
+            "new_tokens": a.new_tokens, "torch": torch.__version__, "prompts": len(PROMPTS), **provenance()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print("| n | AR step ms | cycle ms | stages ms | slowest stage | PDM ms | verify ms | overhead ms | overhead/AR | tok/cycle | equiv. len |")

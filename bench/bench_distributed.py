@@ -62,8 +62,9 @@ def part_single(new_tokens: int, draft: str | None, max_len: int) -> dict:
                        "token_ids": [r.token_ids for r in res]}
         if method == "spd":
             cyc = sum(r.metrics["cycles"] for r in res)
+            ver = sum(r.metrics["verifications"] for r in res)  # pooled by raw counts, not a mean of rates
             out[method].update(tokens_per_cycle=toks / cyc, ms_per_cycle=1e3 * dec / cyc,
-                               acceptance_rate=statistics.mean(r.metrics["acceptance_rate"] for r in res))
+                               acceptance_rate=sum(r.metrics["accepted"] for r in res) / max(ver, 1))
     # components at 1 thread (what one rank runs), one token at position ~ prompt length
     torch.set_num_threads(1)
     res = [eng.generate(c, max_new_tokens=new_tokens, method="ar") for c in chats]

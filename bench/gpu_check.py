@@ -10,8 +10,9 @@
    along) for (a) the default model's shape and (b) a Llama-3.2-1B shape, bf16:
    graphed AR vs its HBM roofline (bytes per token / measured copy bandwidth), and SPD on streams
    with CUDA graphs for n = 2, 3, 5. Acceptance is imposed by a drafter that is right with the
-   probability measured on CPU with the real head (--acceptance); the real-shaped PDM still runs
-   every cycle, so its cost is in the timings. Per cycle: each phase captured as its own graph and
+   probability the shipped head for that n measured on CPU (--acceptance sets one for all n); a PDM of the
+   shipped heads' shape (their tower depth; at the default model's shape their anchors too) still runs every
+   cycle, so its cost is in the timings. Per cycle: each phase captured as its own graph and
    replayed, overhead = whole cycle - the slower of the slowest stage and the PDM (which runs beside them).
 3. The Triton kernels at real sizes and under CUDA-graph replay (bench/gpu_kernel_paths.py), the GPU
    kernel tests (tests/test_kernels.py compiled, not interpreted) and the kernel benchmark (--compile adds
@@ -84,9 +85,21 @@ def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int
     return m
 
 
+SHIPPED = json.loads((ROOT / "spd_fast" / "heads" / "smollm2-135m-instruct-n3" / "draft_config.json").read_text())
+
+
 def random_head(m: Transformer, n: int, layers: int = 2, vocab: int = 16384) -> DraftHead:
     dcfg = DraftConfig.make(m.cfg, uniform_boundaries(m.cfg.num_layers, n), None, layers, min(vocab, m.cfg.vocab_size))
     return random_draft_head(m, dcfg)  # the API's own random head (draft="random"), so its placement is checked
+
+
+def timing_head(m: Transformer, n: int) -> DraftHead:
+    """A random PDM of the shipped heads' shape, so a timing pays their drafting cost: their tower depth and
+    draft vocabulary, and at the default model's layer count their anchors (every shipped n reads the same)."""
+    anchors = SHIPPED["anchors"] if m.cfg.num_layers == SHIPPED["boundaries"][-1] else None
+    dcfg = DraftConfig.make(m.cfg, uniform_boundaries(m.cfg.num_layers, n), anchors, SHIPPED["num_layers"],
+                            min(SHIPPED["draft_vocab_size"], m.cfg.vocab_size))
+    return random_draft_head(m, dcfg)
 
 
 def sync(dev: str) -> None:
@@ -294,7 +307,8 @@ def copy_bandwidth(dev: str, clock: Clock) -> float:
     return 2 * x.numel() / us / 1e3  # GB/s (read + write)
 
 
-def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[int], new: int, acceptance: float,
+def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[int], new: int,
+            acceptance: dict[int, float],
             repeats: int, bw_gbs: float, clock: Clock, placement: str) -> dict:
     P = 32
     replays = 64
@@ -318,7 +332,7 @@ def timings(name: str, cfg: ModelConfig, dev: str, dtype: torch.dtype, ns: list[
            "ar_graph_step_us": step_us, "ar_roofline_us": roof_us, "ar_roofline_fraction": roof_us / step_us, "spd": []}
     for n in ns:
         try:  # one n failing keeps the others and the AR figures
-            out["spd"].append(_spd_timing(m, cfg, n, ids, ref, new, acceptance, repeats, out["ar_ms_per_token"], dev,
+            out["spd"].append(_spd_timing(m, cfg, n, ids, ref, new, acceptance[n], repeats, out["ar_ms_per_token"], dev,
                                           clock, placement, replays))
         except Exception as e:  # noqa: BLE001
             out.setdefault("errors", []).append({"n": n, "error": f"{type(e).__name__}: {e}",
@@ -333,7 +347,7 @@ def _spd_timing(m, cfg: ModelConfig, n: int, ids: list[int], ref: list[int], new
     full = [0] * len(ids) + ref
     graphs = dev == "cuda"
     b = uniform_boundaries(cfg.num_layers, n)
-    head = random_head(m, n)
+    head = timing_head(m, n)
     drafter = ReferenceDrafter(full, cfg.vocab_size, "bernoulli", p_right=acceptance, seed=n, head=head)
     pe = PipelinedEngine(SPDEngine(m, drafter, b, head.dcfg.anchors), placement, cuda_graphs=graphs)
     tps, acc, exact = [], [], True
@@ -343,6 +357,7 @@ def _spd_timing(m, cfg: ModelConfig, n: int, ids: list[int], ref: list[int], new
         acc.append(r.metrics["acceptance_rate"])
         exact &= r.token_ids == ref
     row = {"n": n, "tokens_per_s": statistics.median(tps), "acceptance": statistics.median(acc), "exact": exact,
+           "acceptance_imposed": acceptance, "draft_layers": head.dcfg.num_layers, "anchors": list(head.dcfg.anchors),
            "equiv_accept_length": n * (len(r.token_ids) - 1) / r.metrics["cycles"]}
     row["speedup_vs_graphed_ar"] = row["tokens_per_s"] / (1e3 / ar_ms_per_token)
     row.update(phase_times(pe, ids, dev, clock, replays))
@@ -388,23 +403,31 @@ def phase_times(pe: PipelinedEngine, ids: list[int], dev: str, clock: Clock, rep
 
 
 # ---- main -----------------------------------------------------------------------------------------
-def measured_acceptance(path: Path = ROOT / "bench" / "results" / "acceptance.json") -> float:
-    """The shipped n=3 head's overall acceptance at temperature 0, as `bench/eval_acceptance.py` last recorded it."""
+ACCEPTANCE_FILES = (ROOT / "bench" / "results" / "acceptance.json",  # the README's table: n = 2, 3
+                    ROOT / "bench" / "results" / "n456" / "shipped_s33.json")  # the shipped n = 4, 5, 6 heads
+
+
+def measured_acceptance(ns: list[int], paths: tuple[Path, ...] = ACCEPTANCE_FILES) -> dict[int, float]:
+    """Each n's shipped head's overall acceptance at temperature 0, as `spd-fast eval` last recorded it (20 held-out
+    prompts per category, 64 new tokens); an n no file holds gets the n=3 head's."""
+    found: dict[int, float] = {}
     try:
-        rows = json.loads(path.read_text())["rows"]
-        return next(r["acceptance_rate"] for r in rows
-                    if r["n"] == 3 and r["temperature"] == 0 and r["category"] == "overall")
-    except (OSError, ValueError, KeyError, StopIteration) as e:
-        raise SystemExit(f"gpu_check: cannot read the measured acceptance from {path} ({type(e).__name__}: {e}); "
-                         "pass --acceptance P") from None
+        for path in paths:
+            for r in json.loads(path.read_text())["rows"]:
+                if r["temperature"] == 0 and r["category"] == "overall":
+                    found.setdefault(r["n"], r["acceptance_rate"])
+        return {n: found.get(n, found[3]) for n in ns}
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"gpu_check: cannot read the measured acceptance from {', '.join(map(str, paths))} "
+                         f"({type(e).__name__}: {e}); pass --acceptance P") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--acceptance", type=float, default=None,
-                   help="imposed acceptance rate (default: the shipped n=3 head's at temperature 0, read from "
-                        "bench/results/acceptance.json)")
+                   help="imposed acceptance rate for every n (default: each n's shipped head's at temperature 0, "
+                        "read from bench/results/acceptance.json and bench/results/n456/shipped_s33.json)")
     p.add_argument("--num-stages", default="2,3,5")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -419,9 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run the same logic on CPU with tiny shapes and simulated streams (no kernels, no graphs)")
     a = p.parse_args(argv)
-    if a.acceptance is None:
-        a.acceptance = measured_acceptance()
-    if not 0.0 <= a.acceptance <= 1.0:
+    if a.acceptance is not None and not 0.0 <= a.acceptance <= 1.0:
         p.error(f"--acceptance must be a probability in [0, 1], got {a.acceptance}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -433,10 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     clock = Clock(dev)
     ns = [int(x) for x in a.num_stages.split(",")]
+    accept = measured_acceptance(ns) if a.acceptance is None else {n: a.acceptance for n in ns}
     report: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
                              "device": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
                              "gpus": 0 if dry else torch.cuda.device_count(), "host": platform.node(),
-                             "acceptance_imposed": a.acceptance}, "errors": []}
+                             "acceptance_imposed": {str(n): accept[n] for n in ns}}, "errors": []}
 
     started = T0
 
@@ -468,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     timing_rows = []
     for name, cfg in shapes.items():
         section(f"timing_{name}", lambda cfg=cfg, name=name: timings(
-            name, cfg, dev, dtype, ns, 16 if dry else a.new_tokens, a.acceptance, 1 if dry else a.repeats, bw, clock,
+            name, cfg, dev, dtype, ns, 16 if dry else a.new_tokens, accept, 1 if dry else a.repeats, bw, clock,
             "simulated" if dry else "streams"))
         if f"timing_{name}" in report:
             timing_rows.append(report[f"timing_{name}"])
@@ -489,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- the short table, last ----
     print("\n== gpu_check summary ==")
     print(f"device: {report['meta']['device']} x{report['meta']['gpus']}  torch {torch.__version__}  "
-          f"copy bandwidth {bw:.0f} GB/s  imposed acceptance {a.acceptance}")
+          f"copy bandwidth {bw:.0f} GB/s  imposed acceptance {', '.join(f'n={n}: {accept[n]}' for n in ns)}")
     for k in ("kernel_tests", "kernel_bench"):
         if k in report:
             print(f"{k}: {report[k]}")

@@ -14,7 +14,6 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
 
 WINDOWS = ("answer tokens 1-63", "answer tokens 64-127", "answer tokens 128-255", "answer tokens 256+")
 ORDER = ("overall", "chat", "math", "code", *WINDOWS, "new 4-gram", "repeated 4-gram", "PDM draft", "lookup draft",

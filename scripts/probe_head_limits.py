@@ -24,8 +24,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 
 def _fills(text: str) -> list[int | None]:
     out: list[int | None] = []

@@ -16,8 +16,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .ar import ArDecoder, check_capacity, check_context, check_eos_ids, check_max_new_tokens
-from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_layer_indices, check_lookup,
-                     check_seed, check_stage_count, uniform_boundaries, validate_boundaries, validate_num_stages)
+from .config import (DEFAULT_LOOKUP, RandomHeadWarning, SpdConfigError, check_head_seed, check_layer_indices,
+                     check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
+                     validate_num_stages)
 from .drafters import PdmDrafter
 from .engine import SPDEngine, run_stepwise
 from .pdm import DraftConfig, DraftHead, DraftMismatchError, load_draft, random_draft_head, read_draft_config
@@ -84,6 +85,9 @@ def _plain_numbers(fn):
 
 @dataclass
 class GenerationOutput:
+    """One prompt's answer: its text (cut before a stop string), the new token ids, the prompt's length in
+    tokens, whether a stop token ended it, the decode's metrics (acceptance_rate, tokens_per_cycle,
+    equivalent_accept_length, tokens_per_second, ...) and why it ended (`finish_reason`)."""
     text: str
     token_ids: list[int]
     prompt_tokens: int
@@ -221,12 +225,12 @@ class Engine:
 
     # -- one prompt -------------------------------------------------------------------------------
     def _tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
-                eos: tuple[int, ...], stop_fn: StopStrings | None = None) -> Iterator[int]:
+                eos: tuple[int, ...], stop_fn: StopStrings | None = None, out: dict | None = None) -> Iterator[int]:
         """The decode of one prompt, refusing to go on once another generation has reused the caches: the
         model has one KV cache (and the engine one PDM cache), so an open stream() whose consumer meanwhile
         ran another generate() or stream() on this engine, or on another Engine built on the same loaded
         target, would otherwise continue from the other's state. The count lives on the model, which
-        owns the caches."""
+        owns the caches. When it ends, out["last"] is this decode's (finished_by_eos, metrics)."""
         model = self.target.model
         lock = model.decode_lock  # held while the decoder runs, never across a yield into the caller's code
         with lock:
@@ -239,7 +243,7 @@ class Engine:
                     pass
             model.generations += 1
             mine = model.generations
-            steps = self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn)
+            steps = self._decode(prompt_ids, max_new_tokens, params, method, eos, stop_fn, out)
             model.open_decode = weakref.ref(steps)
 
         def still_mine() -> None:
@@ -253,7 +257,7 @@ class Engine:
 
     @torch.inference_mode()  # on a generator: on only while it runs, never across a yield into the caller's code
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, method: str,
-                eos: tuple[int, ...], stop_fn: StopStrings | None) -> Iterator[int]:
+                eos: tuple[int, ...], stop_fn: StopStrings | None, out: dict | None = None) -> Iterator[int]:
         # the GPU placements keep one generator, reseeded per call, so their CUDA graphs (which register it)
         # are not captured again for every sampled call
         graphed = self.pipelined is not None or self.graphed_ar is not None
@@ -268,15 +272,20 @@ class Engine:
                 dec = ArDecoder(self.target.model, prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
                 yield from dec
             res = dec.result
-            self._last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
-                                                 "decode_seconds": res.decode_seconds,
-                                                 "new_tokens": float(len(res.token_ids)), "num_stages": 1.0})
-            return
-        if self.spd is None:
-            raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
-        runner = self.pipelined if self.pipelined is not None else self.spd
-        yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
-        self._last = (runner.last_finished_by_eos, {**runner.last_metrics, "num_stages": float(self.num_stages)})
+            last = (res.finished_by_eos, {**res.metrics, "prefill_seconds": res.prefill_seconds,
+                                          "decode_seconds": res.decode_seconds,
+                                          "new_tokens": float(len(res.token_ids)), "num_stages": 1.0})
+        else:
+            if self.spd is None:
+                raise SpdConfigError("this engine has no draft head; load it with a draft or use method='ar'")
+            runner = self.pipelined if self.pipelined is not None else self.spd
+            yield from runner.generate(prompt_ids, max_new_tokens, params, eos, gen, stop_fn)
+            last = (runner.last_finished_by_eos, {**runner.last_metrics, "num_stages": float(self.num_stages)})
+        # still under the decode lock: the engine's newest result, and this call's own (a stream reads it after
+        # its last yield, when another generation on the engine may have run)
+        self._last = last
+        if out is not None:
+            out["last"] = last
 
     @_plain_numbers
     def generate(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -384,7 +393,8 @@ class Engine:
                 return text[:cut]
             return text if final else text[:len(text) - checker.held(text)]  # maybe the start of a stop string
 
-        for t in self._tokens(ids, max_new_tokens, params, method, eos, checker):
+        out: dict = {}
+        for t in self._tokens(ids, max_new_tokens, params, method, eos, checker, out):
             if not inc.push(t):
                 continue
             text = visible(inc.text, False)
@@ -394,14 +404,15 @@ class Engine:
         # what was held back at the end (a character cut by max_new_tokens, the start of a stop string never finished);
         # the whole list decoded once, so the chunks always join to generate()'s text
         full = self.target.decode(toks)
+        finished, self.last_metrics = out["last"]  # this stream's own, whatever ran on the engine since
+        # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage), set
+        # before the held-back text goes out, so a caller that stops at the text's end has them too
+        cut = checker.cut(full) if checker is not None else None
+        self.last_finish_reason = "eos" if finished else "stop" if cut is not None else "length"
+        self.last_token_ids = toks
         text = visible(full, True)
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown):]
-        self.last_metrics = self._last[1]
-        # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage)
-        cut = checker.cut(full) if checker is not None else None
-        self.last_finish_reason = "eos" if self._last[0] else "stop" if cut is not None else "length"
-        self.last_token_ids = toks
 
 
 def _check_method(method: str) -> None:
@@ -467,6 +478,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     placement: "local"/"sequential" (default), "streams" (one GPU, a CUDA stream per stage, the cycle
     replayed as a CUDA graph unless cuda_graphs=False), "devices" (one stage per GPU), or
     "distributed" (call it on every rank of a torchrun job; loads only this rank's stage).
+    boundaries: the stage split, layer indices from 0 to the model's layer count (default: n even stages);
+    anchors, draft_layers: a random head's anchor layers and tower depth (a trained head brings its own).
+    dtype, device: the target's weights ("float32", "bfloat16", "float16"; "cpu" or "cuda[:i]"); max_len: the
+    KV cache's length (prompt + new tokens + n + 1 must fit); seed: a random head's weights (refused for a head
+    read from disk); progress: progress output while the model is converted and loaded (on a terminal only).
     lookup: context lookup beside the PDM: when the `lookup` newest tokens occurred earlier in the
     context, draft what followed them (0 turns it off; exactness never depends on it)."""
     if placement not in PLACEMENTS:
@@ -483,6 +499,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if draft_layers is not None and (not isinstance(draft_layers, int) or isinstance(draft_layers, bool)):
         raise SpdConfigError(f"draft_layers must be an integer, got {draft_layers!r}")
     check_seed(seed, "seed (of a random head)")
+    if draft is not None and draft != "random":  # a head path: known now; the shipped head once it is found
+        check_head_seed(seed, str(draft))
     num_stages = _default_num_stages(num_stages, draft, placement, boundaries)
     if placement in ("streams", "devices"):
         from .pipeline import resolve_placement
@@ -531,6 +549,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head = load_draft(draft, net, target.fingerprint, num_stages,
                           b if boundaries is not None and not shipped else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
+        check_head_seed(seed, source)
         if shipped:
             head.dcfg = head.dcfg.at_split(b if boundaries is not None else None, Path(draft).name, stacklevel=4)
         b = head.dcfg.boundaries
@@ -671,7 +690,7 @@ def generate(prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 64, temper
 def stream(prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int | None = None, num_stages: int | None = None, method: str = "spd",
            model: str | None = None, draft: str | None = None, dtype: str = "float32",
-           max_len: int = 2048, lookup: int = DEFAULT_LOOKUP, device: str = "cpu", placement: str = "local",
+           max_len: int = 2048, placement: str = "local", lookup: int = DEFAULT_LOOKUP, device: str = "cpu",
            eos_ids: Sequence[int] = (), stop: str | Sequence[str] | None = None,
            sampling_params: SamplingParams | None = None) -> Iterator[str]:
     """Yield the verified text of one prompt as it is committed; the settings and the cached engine are

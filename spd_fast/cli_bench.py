@@ -11,7 +11,7 @@ from typing import Any
 from .cli_common import (DefaultsFormatter, _int_at_least, add_model_options, apply_runtime_options, check_output,
                          cli_warning, float_list, int_list, kv_length, load_engine, positive_int, seed_int,
                          write_output)
-from .evaluate import CATEGORIES, add_spd_metrics, check_prompts_fit, dtype_name, kernel_backend
+from .evaluate import CATEGORIES, add_spd_metrics, check_prompts_fit, dtype_name, kernel_backend, provenance
 
 # the first token comes from the prefill: a speed or an acceptance needs at least one decoded after it
 decode_tokens = _int_at_least(2, "an integer >= 2 (the first token comes from the prefill, the rest are decoded)")
@@ -70,7 +70,11 @@ def bench_prompts(per_category: int, custom: list[str]) -> list[Any]:
 
 
 def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
-    """AR once (with the first engine), then SPD for every n; greedy SPD is checked against AR."""
+    """For every n, AR and SPD on each prompt back to back on the same engine (so both see the same machine
+    state); each SPD row's `speedup_vs_ar` is the median over those pairs of the SPD/AR tokens/s ratio, and
+    greedy SPD is checked against AR. The AR row pools every AR run."""
+    import statistics
+
     from .progress import bar
     from .sampling import SamplingParams
 
@@ -82,11 +86,13 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
                              "them")
     prompts = bench_prompts(args.prompts or 1, args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    ar_ids: list[list[int]] = []
     ar = {"decoded": 0.0, "seconds": 0.0}
     rows: list[dict[str, Any]] = []
     sources = []
     from .pdm import check_draft_stages
+
+    def rate(m: dict[str, float]) -> float | None:  # one run's decode tokens/s (None: it decoded nothing)
+        return (m["new_tokens"] - 1) / m["decode_seconds"] if m["new_tokens"] > 1 and m["decode_seconds"] > 0 else None
 
     check_draft_stages(args.draft, args.num_stages)  # a head for one n, asked for several: refused before any run
     for i, n in enumerate(args.num_stages):
@@ -102,37 +108,36 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
         sources.append(eng.draft_source)
         fingerprint = eng.target.fingerprint
         warm = min(4, args.max_new_tokens)  # no more than the runs ask for: what fits them fits the warm-up
-        eng.generate(prompts[0], max_new_tokens=warm, method="spd")  # warm-up: first-call allocations
-        if i == 0:
-            eng.generate(prompts[0], max_new_tokens=warm, method="ar")
-            for r in range(args.repeats):
-                for j, p in enumerate(bar(prompts, "bench AR", enabled=not quiet)):
-                    o = eng.generate(p, seed=j, method="ar", **kw)
-                    ar["decoded"] += o.metrics["new_tokens"] - 1
-                    ar["seconds"] += o.metrics["decode_seconds"]
-                    if r == 0:
-                        ar_ids.append(o.token_ids)
-            ar_tps = ar["decoded"] / max(ar["seconds"], 1e-9)
-            rows.append({"method": "ar", "n": 1, "tokens_per_s": ar_tps, "ms_per_token": 1e3 / max(ar_tps, 1e-9),
-                         "decoded_tokens": int(ar["decoded"])})
+        for method in ("ar", "spd"):  # warm-up: first-call allocations, on both sides
+            eng.generate(prompts[0], max_new_tokens=warm, method=method)
         s = dict.fromkeys(("ver", "acc", "cycles", "decoded", "seconds"), 0.0)
-        identical = True
+        identical, ratios = True, []
         for r in range(args.repeats):
-            for j, p in enumerate(bar(prompts, f"bench SPD n={n}", enabled=not quiet)):
+            for j, p in enumerate(bar(prompts, f"bench AR + SPD n={n}", enabled=not quiet)):
+                a = eng.generate(p, seed=j, method="ar", **kw)
+                ar["decoded"] += a.metrics["new_tokens"] - 1
+                ar["seconds"] += a.metrics["decode_seconds"]
                 o = eng.generate(p, seed=j, method="spd", **kw)
                 add_spd_metrics(s, o.metrics, "seconds")
-                identical &= o.token_ids == ar_ids[j]
+                identical &= o.token_ids == a.token_ids
+                ra, ro = rate(a.metrics), rate(o.metrics)
+                if ra and ro:
+                    ratios.append(ro / ra)
         tps = s["decoded"] / max(s["seconds"], 1e-9)
         tpc = s["decoded"] / max(s["cycles"], 1)
         row = {"method": "spd", "n": n, "draft": eng.draft_source, "tokens_per_s": tps,
                "ms_per_token": 1e3 / max(tps, 1e-9), "acceptance_rate": s["acc"] / max(s["ver"], 1),
                "tokens_per_cycle": tpc, "equivalent_accept_length": n * tpc,
-               "ms_per_cycle": 1e3 * s["seconds"] / max(s["cycles"], 1), "speedup_vs_ar": tps / max(ar_tps, 1e-9),
+               "ms_per_cycle": 1e3 * s["seconds"] / max(s["cycles"], 1),
+               "speedup_vs_ar": statistics.median(ratios) if ratios else None, "pairs": len(ratios),
                "decoded_tokens": int(s["decoded"])}
         if args.temperature == 0:
             row["identical_to_ar"] = bool(identical)  # greedy SPD must equal greedy AR token for token
         rows.append(row)
         del eng
+    ar_tps = ar["decoded"] / max(ar["seconds"], 1e-9)
+    rows.insert(0, {"method": "ar", "n": 1, "tokens_per_s": ar_tps, "ms_per_token": 1e3 / max(ar_tps, 1e-9),
+                    "decoded_tokens": int(ar["decoded"])})
     import torch
 
     from .runtime import cpu_name
@@ -142,9 +147,10 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
             "dtype": dtype_name(args.dtype), "prompts": len(prompts), "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "draft": sources[0] if len(set(sources)) == 1 else sources, "kernels": kernel_backend(),
-            "kernels_run": kernel_backend(args.device), "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
+            "kernels_run": kernel_backend(args.device),
+            "cuda_graphs": args.placement == "streams" and not getattr(args, "no_cuda_graphs", False),  # as run
             "model": args.model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "placement": args.placement,
-            "lookup": args.lookup, "max_len": args.max_len}
+            "lookup": args.lookup, "max_len": args.max_len, **provenance()}
     return {"meta": meta, "rows": rows}
 
 
@@ -160,8 +166,8 @@ def bench_table(rows: list[dict[str, Any]]) -> str:
             same = {True: "yes", False: "NO"}.get(r.get("identical_to_ar"), "-")
             lines.append(f"| SPD | {r['n']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | "
                          f"{r['acceptance_rate']:.3f} | {r['tokens_per_cycle']:.3f} | "
-                         f"{r['equivalent_accept_length']:.2f} | {r['ms_per_cycle']:.1f} | {r['speedup_vs_ar']:.2f}x "
-                         f"| {same} |")
+                         f"{r['equivalent_accept_length']:.2f} | {r['ms_per_cycle']:.1f} | "
+                         f"{'-' if r['speedup_vs_ar'] is None else format(r['speedup_vs_ar'], '.2f') + 'x'} | {same} |")
     return "\n".join(lines)
 
 

@@ -37,6 +37,14 @@ def check_seed(seed: object, name: str = "seed") -> None:
         raise SpdConfigError(f"{name} {seed} is out of range; use an integer in [-2**63, 2**64 - 1]")
 
 
+def check_head_seed(seed: int, source: str) -> None:
+    """load()'s `seed` makes a random head; refuse it for a head read from disk, where it would change nothing."""
+    if seed != 0 and source != "random":
+        raise SpdConfigError(f"seed={seed} seeds a random head, but this engine loads the head {source}, whose "
+                             f"weights it cannot change; drop seed (sampling takes its seed in generate()), or pass "
+                             f"draft='random'")
+
+
 def check_lookup(lookup: object) -> int:
     """`lookup`: how many newest tokens a context match needs; 0 turns context lookup off."""
     if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_LOOKUP:
@@ -48,6 +56,8 @@ def check_lookup(lookup: object) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A supported Llama-family model's architecture, read from its Hugging Face config.json (`from_dir`) or
+    config dict (`from_hf_dict`); settings the model code lacks are refused there, not ignored."""
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -73,6 +83,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        """The config of a Hugging Face config dict, checked: an unsupported architecture or setting is an error."""
         model_type = cfg.get("model_type")
         if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             raise SpdConfigError(
@@ -135,6 +146,7 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(path: str | Path) -> "ModelConfig":
+        """The config of the checkpoint directory `path` (its config.json), as `from_hf_dict` reads it."""
         p = Path(path) / "config.json"
         if not p.is_file():
             raise SpdConfigError(f"{path} has no config.json; pass a Hugging Face checkpoint directory or a .gguf file")
@@ -147,6 +159,7 @@ class ModelConfig:
         return ModelConfig.from_hf_dict(cfg)
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (`eos_token_ids` as a list)."""
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d

@@ -237,8 +237,31 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
             "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": dtype_name(dtype),
             "device": str(device), "placement": placement, "kernels": kernel_backend(),
-            "kernels_run": kernel_backend(device), "cuda_graphs": cuda_graphs, "max_len": max_len}
+            "kernels_run": kernel_backend(device), "cuda_graphs": cuda_graphs, "max_len": max_len, **provenance()}
     return {"meta": meta, "rows": rows}
+
+
+def provenance() -> dict[str, Any]:
+    """What made a result: spd_fast's and transformers' versions, and when the package runs from a git checkout
+    its commit and whether tracked files differed from it (`dirty`); None where that cannot be read."""
+    import subprocess
+
+    import transformers
+
+    from . import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    commit = dirty = None
+    if (root / ".git").exists():
+        try:
+            git = ["git", "-C", str(root)]
+            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                    check=True).stdout.strip()
+            dirty = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                        text=True, timeout=10, check=True).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            commit = dirty = None
+    return {"spd_fast": __version__, "transformers": transformers.__version__, "commit": commit, "dirty": dirty}
 
 
 def dtype_name(dtype: Any) -> str:

@@ -194,7 +194,3 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             arr = arr.copy()
         sd[name] = torch.from_numpy(arr)
     return cfg, sd
-
-
-def gguf_chat_template(path: str | Path) -> str | None:
-    return _field(_open(Path(path)), "tokenizer.chat_template")

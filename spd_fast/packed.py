@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import _open, _unpermute
-from .model import PACKED_MAX_ROWS as MAX_ROWS  # noqa: F401  (re-exported: the row limit of the packed path)
 
 _KINDS = {"Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 
@@ -108,7 +107,7 @@ def read_packed(gguf_path: str | Path, cfg: dict[str, Any]) -> dict[str, dict[st
 
 
 def packed_linear(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """x [..., K] fp32 with at most MAX_ROWS rows -> [..., N] through the C++ op."""
+    """x [..., K] fp32 with at most model.PACKED_MAX_ROWS rows -> [..., N] through the C++ op."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     if p["kind"] == "q4_1":
@@ -186,7 +185,7 @@ def pack_draft(head: torch.nn.Module, target: torch.nn.Module) -> bool:
 
 
 def attach(model: torch.nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> int:
-    """Give each named linear its packed blocks (model.py's linears use them for <= MAX_ROWS rows).
+    """Give each named linear its packed blocks (model.py's linears use them for <= model.PACKED_MAX_ROWS rows).
     Returns the number of layers attached."""
     mods = dict(model.named_modules())
     count = 0

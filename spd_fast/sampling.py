@@ -29,6 +29,8 @@ def plain_number(v: object) -> object:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Validated sampling settings: temperature (0: greedy), top_k (0: off), top_p (1: off) and seed (None:
+    unseeded). SPD's output has exactly the target's distribution under them."""
     temperature: float = 0.0   # 0 -> greedy
     top_k: int = 0             # 0 -> off
     top_p: float = 1.0         # 1 -> off

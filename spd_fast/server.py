@@ -97,6 +97,8 @@ def _param_of(message: str, body: Any) -> str | None:
             if key == "max_tokens" and isinstance(body, dict) and body.get("max_completion_tokens") is not None:
                 return "max_completion_tokens"
             return key
+    if message.startswith(("prompt", "the prompt", "the content of")):  # the endpoint's prompt field
+        return "messages" if isinstance(body, dict) and "messages" in body else "prompt"
     return None
 
 

@@ -119,7 +119,7 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["lookup_copy_boost"] is None
     assert "lookup_copy_boost=None" in capsys.readouterr().out
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, lookup_copy_boost=6.0)))
-    assert main(base + ["--lookup", "0"]) == 0
+    assert main(base[:9] + ["--write", "--lookup", "0"]) == 0  # no gate grids: --lookup 0 refuses them
     assert json.loads((tmp_path / "h" / "draft_config.json").read_text())["lookup_copy_boost"] == 6.0
     assert "(kept as they were: lookup gate, copy boost)" in capsys.readouterr().out
     # a lookup no validation row matches gives no evidence about the gate: the calibrated one is kept, not reset
@@ -140,6 +140,13 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
     with pytest.raises(SystemExit):
         main([str(tmp_path / "h"), "--scales", "0.5,x"])
     assert "expected comma-separated numbers, got '0.5,x'" in capsys.readouterr().err
+    # --lookup 0 skips the gate and the boost: their grids are refused, not ignored (they were, with exit 0)
+    val_args = [str(tmp_path / "h"), "--model", ckpt, "--val", str(val), "--lookup", "0"]
+    assert main(val_args + ["--copy-boosts", "1"]) == 2
+    assert ("--copy-boosts tunes the lookup gate and copy boost, which --lookup 0 skips; drop it, or pass --lookup "
+            "K > 0") in capsys.readouterr().err
+    assert main(val_args + ["--gate-ratios", "0.5", "--gate-confidences", "0.9"]) == 2
+    assert "--gate-confidences and --gate-ratios tune the lookup gate" in capsys.readouterr().err
     cfg = json.loads((tmp_path / "h" / "draft_config.json").read_text())
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, draft_temperature_scale=0)))
     with pytest.raises(DraftMismatchError, match=r"draft_temperature_scale 0 is out of range.*\[0.05, 20.0\]"):

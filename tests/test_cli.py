@@ -107,10 +107,41 @@ def test_bench_json_several_n(capsys, tmp_path):
     ar = [r for r in res["rows"] if r["method"] == "ar"]
     spd = {r["n"]: r for r in res["rows"] if r["method"] == "spd"}
     assert len(ar) == 1 and sorted(spd) == [2, 3]
+    assert (res["meta"]["placement"], res["meta"]["cuda_graphs"]) == ("local", False)  # what ran, not the option
+    # what made it: the checkout's commit (this repository is one) and the versions
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert res["meta"]["commit"] == (head or None) and isinstance(res["meta"]["dirty"], (bool, type(None)))
+    assert res["meta"]["spd_fast"] and res["meta"]["transformers"]
     for r in spd.values():
-        assert r["identical_to_ar"] is True
-        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar[0]["tokens_per_s"])
+        assert r["identical_to_ar"] is True and r["pairs"] == 1 and r["speedup_vs_ar"] > 0
         assert {"acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "ms_per_cycle"} <= set(r)
+
+
+def test_bench_speedup_is_the_median_of_back_to_back_pairs(capsys, monkeypatch):
+    """Each prompt runs AR then SPD on the same engine, and speedup_vs_ar is the median of those pairs' ratios, not
+    the ratio of pooled rates (which lets one slow run, or a drift between an AR pass and a later SPD pass, decide)."""
+    from spd_fast.api import Engine
+
+    real = Engine.generate
+    spd_seconds = iter([1.0, 2.0, 4.0])
+    order = []
+
+    def timed(self, prompt, *a, method="spd", **k):
+        out = real(self, prompt, *a, method=method, **k)
+        order.append(method)
+        if k.get("max_new_tokens") == 8:  # the measured runs (the warm-up asks for 4)
+            out.metrics["decode_seconds"] = 1.0 if method == "ar" else next(spd_seconds)
+        return out
+
+    monkeypatch.setattr(Engine, "generate", timed)
+    rc, out, err = run_cli(["bench", "-n", "2", "--max-new-tokens", "8", "--draft", "random", "--json"], capsys)
+    assert rc == 0, err
+    rows = json.loads(out)["rows"]
+    spd = next(r for r in rows if r["method"] == "spd")
+    assert order == ["ar", "spd"] + ["ar", "spd"] * 3  # warm-up, then each prompt's pair back to back
+    assert spd["pairs"] == 3 and spd["identical_to_ar"] is True
+    assert spd["speedup_vs_ar"] == pytest.approx(0.5)  # ratios 1, 1/2, 1/4 (pooled: 3/7)
+    assert rows[0]["method"] == "ar" and rows[0]["tokens_per_s"] == pytest.approx(7 * 3 / 3.0)
 
 
 @pytest.mark.parametrize("as_json", [False, True])
@@ -281,6 +312,7 @@ def test_eval_shows_load_warnings_keeps_dots_in_out_and_records_its_setup(tmp_pa
     from spd_fast.evaluate import kernel_backend
 
     assert meta["kernels"] == meta["kernels_run"] == "torch" and meta["cuda_graphs"] is None  # the default
+    assert {"commit", "dirty", "spd_fast", "transformers"} <= set(meta)
     with kernels.use_backend("auto"):
         assert kernel_backend() == "auto" and kernel_backend("cpu") == ("cpp" if cpp_ops.available() else "torch")
     # --json keeps stdout for its JSON, but a random head is still said on stderr (it was hidden)

@@ -53,3 +53,26 @@ def test_cited_result_files_exist():
             if not (ROOT / m.group(0)).exists():
                 missing.append(f"{path.name}: {m.group(0)}")
     assert not missing, missing
+
+
+def test_every_public_name_has_its_own_docstring():
+    """Every name spd_fast and spd_fast.distributed export, and each public method of the classes among them, has
+    a docstring of its own (a dataclass's generated `Name(field, ...)` signature is none)."""
+    import inspect
+
+    import spd_fast
+    import spd_fast.distributed as dist
+
+    missing = []
+    for mod in (spd_fast, dist):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            doc = obj.__doc__ or ""
+            if not doc.strip() or doc.startswith(f"{name}("):
+                missing.append(f"{mod.__name__}.{name}")
+            if inspect.isclass(obj) and not issubclass(obj, BaseException):
+                for attr, member in vars(obj).items():
+                    fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                    if not attr.startswith("_") and callable(fn) and not (fn.__doc__ or "").strip():
+                        missing.append(f"{mod.__name__}.{name}.{attr}")
+    assert not missing, missing

@@ -257,8 +257,10 @@ def test_stream_text_equals_generate_text_when_the_last_character_is_cut(default
     emoji = tok.encode("Hi 🙂🙂", add_special_tokens=False)
     cut = next(k for k in range(1, len(emoji)) if tok.decode(emoji[:k]).endswith("\ufffd"))
 
-    def fake(ids, max_new_tokens, params, method, eos, stop_fn=None):  # the decode, replaced by chosen tokens
+    def fake(ids, max_new_tokens, params, method, eos, stop_fn=None, out=None):  # the decode: chosen tokens
         eng._last = (False, {})
+        if out is not None:
+            out["last"] = eng._last
         yield from emoji[:max_new_tokens]
 
     monkeypatch.setattr(eng, "_tokens", fake)
@@ -294,8 +296,10 @@ def test_stream_decodes_a_short_window_per_token_and_joins_to_the_whole_text(def
         seen.append(len(xs))
         return decode(xs)
 
-    def fake(ids_, max_new_tokens, params, method, eos, stop_fn=None):
+    def fake(ids_, max_new_tokens, params, method, eos, stop_fn=None, out=None):
         eng._last = (False, {})
+        if out is not None:
+            out["last"] = eng._last
         yield from ids[:max_new_tokens]
 
     monkeypatch.setattr(eng, "_tokens", fake)

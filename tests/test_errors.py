@@ -1710,3 +1710,52 @@ def test_chat_rows_for_a_model_without_a_chat_template_say_so():
                                              r"template \(a base model\?\).*train on text instead") as e:
         list(row_samples(rec, "chat.jsonl, row 1", "chat", 0, base))
     assert "roles or order" not in str(e.value)
+
+
+def test_a_head_seed_is_refused_for_a_head_read_from_disk(tiny_checkpoint, tmp_path, monkeypatch):
+    """load(seed=...) makes a random head; a trained or shipped head's weights it cannot change, and it was
+    silently ignored. Refused by name; a random head still takes it."""
+    import spd_fast
+    from spd_fast import api
+
+    path = tiny_checkpoint("llama")
+    eng = spd_fast.load(model=path, draft="random", num_stages=2, seed=5, progress=False)
+    eng.head.save(tmp_path / "h")
+    with pytest.raises(SpdConfigError, match=r"seed=5 seeds a random head, but this engine loads the head .*h, whose "
+                                             r"weights it cannot change; drop seed .*or pass draft='random'"):
+        spd_fast.load(model=path, draft=tmp_path / "h", seed=5, progress=False)
+    monkeypatch.setattr(api, "shipped_head", lambda target, n: tmp_path / "h")  # the shipped head, found once loaded
+    with pytest.raises(SpdConfigError, match=r"seed=7 seeds a random head, but this engine loads the head shipped:h"):
+        spd_fast.load(model=path, num_stages=2, seed=7, progress=False)
+    assert spd_fast.load(model=path, draft=tmp_path / "h", seed=0, progress=False).draft_source == str(tmp_path / "h")
+
+
+def test_stream_takes_generates_arguments_in_generates_order():
+    """stream()'s settings are generate()'s: the same parameters in the same order, so positional calls agree
+    (stream had placement after device, and a generate() call's arguments failed as lookup='local')."""
+    import inspect
+
+    import spd_fast
+
+    gen, st = (list(inspect.signature(f).parameters) for f in (spd_fast.generate, spd_fast.stream))
+    assert st == gen
+
+
+def test_a_streams_end_state_is_its_own_when_a_generation_ran_after_its_last_chunk(tiny_checkpoint):
+    """A stream whose end was held back (the start of a stop string never finished) set last_* from the engine's
+    newest result once it was asked past its last chunk; a generate() in between made it report that call's
+    finish_reason and metrics beside its own token ids."""
+    import spd_fast
+
+    eng = spd_fast.load(model=tiny_checkpoint("llama"), draft="random", progress=False)
+    ref = eng.generate([5, 6, 7], max_new_tokens=12)
+    assert ref.finish_reason == "length" and ref.text
+    it = eng.stream([5, 6, 7], max_new_tokens=12, stop=ref.text[-1] + "\x01never")  # its end is held back
+    chunks = [next(it)]
+    while "".join(chunks) != ref.text:
+        chunks.append(next(it))  # the last chunk is out; the decode is over
+    other = eng.generate([9, 10], max_new_tokens=3)
+    assert eng.generate([9, 10], max_new_tokens=3, eos_ids=[other.token_ids[1]]).finish_reason == "eos"
+    assert list(it) == []
+    assert eng.last_finish_reason == "length"
+    assert eng.last_metrics["new_tokens"] == len(eng.last_token_ids) == 12 and eng.last_token_ids == ref.token_ids

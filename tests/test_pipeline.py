@@ -310,10 +310,22 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     spd = rep["timing_tiny"]["spd"][0]
     assert spd["n"] == 2 and spd["exact"] and len(spd["stage_us"]) == 2
     assert "== gpu_check summary ==" in r.stdout and "| tiny |" in r.stdout
-    # the imposed acceptance defaults to the shipped head's measured one (not a stale constant)
+    # the imposed acceptance defaults to the measured one of the shipped head for that n (not a stale constant)
     rows = json.loads(open("bench/results/acceptance.json").read())["rows"]
-    shipped = [x["acceptance_rate"] for x in rows if x["n"] == 3 and x["temperature"] == 0 and x["category"] == "overall"]
-    assert rep["meta"]["acceptance_imposed"] == shipped[0]
+    shipped = [x["acceptance_rate"] for x in rows if x["n"] == 2 and x["temperature"] == 0 and x["category"] == "overall"]
+    assert rep["meta"]["acceptance_imposed"] == {"2": shipped[0]} and spd["acceptance_imposed"] == shipped[0]
+    # and the timed PDM has the shipped heads' depth (a 2-layer one undercounted drafting), their anchors at the
+    # default model's shape
+    sys.path.insert(0, "bench")
+    import gpu_check
+
+    assert spd["draft_layers"] == json.loads(open("spd_fast/heads/smollm2-135m-instruct-n3/draft_config.json")
+                                             .read())["num_layers"] == 3
+    m = gpu_check.random_model(gpu_check.SHAPES["smollm2-135m"], "cpu", torch.float32, max_len=16)
+    assert [list(gpu_check.timing_head(m, n).dcfg.anchors) for n in (2, 5)] == [[0, 10, 20, 30]] * 2
+    acc = gpu_check.measured_acceptance([2, 3, 5, 7])
+    assert acc[5] == next(x["acceptance_rate"] for x in json.loads(open("bench/results/n456/shipped_s33.json").read())
+                          ["rows"] if x["n"] == 5 and x["category"] == "overall") and acc[7] == acc[3] != acc[5]
     r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--acceptance", "1.5",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--acceptance must be a probability in [0, 1], got 1.5" in r.stderr
@@ -350,13 +362,16 @@ def test_gpu_check_acceptance_file_errors(tmp_path):
     spec.loader.exec_module(gc)
     f = tmp_path / "acceptance.json"
     f.write_text('{"rows": [{"n": 3, "temperature": 0.0, "category": "overall", "acceptance_rate": 0.5}]}')
-    assert gc.measured_acceptance(f) == 0.5
+    g = tmp_path / "n456.json"
+    g.write_text('{"rows": [{"n": 5, "temperature": 0.0, "category": "overall", "acceptance_rate": 0.4}, '
+                 '{"n": 5, "temperature": 0.7, "category": "overall", "acceptance_rate": 0.3}]}')
+    assert gc.measured_acceptance([2, 3, 5], (f, g)) == {2: 0.5, 3: 0.5, 5: 0.4}  # n=2: none recorded, n=3's
     for text in ('{"rows": []}', "not json"):
         f.write_text(text)
         with pytest.raises(SystemExit, match="cannot read the measured acceptance .* pass --acceptance P"):
-            gc.measured_acceptance(f)
+            gc.measured_acceptance([3], (f, g))
     with pytest.raises(SystemExit, match="FileNotFoundError"):
-        gc.measured_acceptance(tmp_path / "missing.json")
+        gc.measured_acceptance([3], (tmp_path / "missing.json",))
 
 
 def test_nvtx_env_switch_and_profile_script_message(tmp_path):
@@ -658,7 +673,8 @@ def test_gpu_check_keeps_the_other_n_when_one_fails(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(gc, "_spd_timing", flaky)
     with torch.inference_mode():  # as main() runs every section
-        t = gc.timings("tiny", gc.TINY, "cpu", torch.float32, [2, 3], 8, 0.5, 1, 1.0, gc.Clock("cpu"), "simulated")
+        t = gc.timings("tiny", gc.TINY, "cpu", torch.float32, [2, 3], 8, {2: 0.5, 3: 0.5}, 1, 1.0, gc.Clock("cpu"),
+                       "simulated")
     assert [r["n"] for r in t["spd"]] == [2] and t["errors"][0]["n"] == 3 and t["ar_ms_per_token"] > 0
     monkeypatch.setattr(gc, "timings", lambda name, *a: t)
     monkeypatch.setattr(gc, "exactness", lambda *a: a[-1])

@@ -153,6 +153,13 @@ def test_engine_errors_name_their_field_and_vllm_top_k_minus_one(served):
                         ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "stop": [""]}, "stop")):
         status, _, text = request(port, "POST", "/v1/completions", body)
         assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+    # the prompt's own refusals name the endpoint's prompt field (they had "param": null)
+    for route, body, param in (("/v1/completions", {"prompt": [99999999], "max_tokens": 2}, "prompt"),
+                               ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}],
+                                                         "max_tokens": 2}, "messages")):
+        status, _, text = request(port, "POST", route, body)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
     got = [json.loads(request(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "temperature": 0.8,
                                                                "seed": 4, "top_k": k})[2]) for k in (-1, 0)]
     assert got[0]["choices"][0]["text"] == got[1]["choices"][0]["text"]

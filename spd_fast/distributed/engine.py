@@ -34,6 +34,7 @@ from .partial_load import checkpoint_probe, full_weights_fingerprint, load_stage
 
 @dataclass(frozen=True)
 class Request:
+    """One request of a distributed job: prompt token ids, new-token budget, sampling settings, extra stop ids."""
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     params: SamplingParams
@@ -153,6 +154,7 @@ class DistributedEngine:
         return outs[0] if single else outs
 
     def stream(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a distributed engine returns whole outputs on rank 0 (`generate`)."""
         raise SpdConfigError("placement='distributed' does not stream: use generate(), which returns the whole output "
                              "on rank 0, or a single-process engine for stream()")
 

@@ -62,8 +62,8 @@ def build_parser(help_command: str = "python -m spd_fast.train") -> argparse.Arg
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fast on GPUs and CPUs with AMX/AVX512-BF16; "
                    "emulated and slower than fp32 on other CPUs, which get a warning)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target (teacher) and the head run")
-    p.add_argument("--dtype", default="float32", help="the target's weights: float32 or bfloat16 (on a GPU, bfloat16 "
-                   "with --bf16 halves the teacher's memory traffic)")
+    p.add_argument("--dtype", default="float32", help="the target's weights: float32, bfloat16 or float16 (on a GPU, "
+                   "bfloat16 with --bf16 halves the teacher's memory traffic)")
     p.add_argument("--time-budget", type=non_negative_float, default=0.0,
                    help="seconds of training: after 20 timed steps the step count (and the LR decay) is cut to "
                         "what fits; 0 = off. Rerun with the same --steps, a finished run stays finished; another "

@@ -318,16 +318,22 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"temperatures to fit the scale at (default {','.join(map(str, DEFAULT_TEMPERATURES))})")
     p.add_argument("--scales", type=_some_floats, default=list(DEFAULT_SCALES),
                    help=f"draft temperature scales to try (default {','.join(map(str, DEFAULT_SCALES))})")
-    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP, metavar="K",
+    p.add_argument("--lookup", type=non_negative_int, default=DEFAULT_LOOKUP, metavar="K",
                    help=f"calibrate the lookup gate for context matches of K tokens (default {DEFAULT_LOOKUP}, "
                         "the runtime's default; 0 skips it)")
-    p.add_argument("--gate-confidences", type=_some_floats, default=list(DEFAULT_GATE_CONFIDENCES))
-    p.add_argument("--gate-ratios", type=_some_floats, default=list(DEFAULT_GATE_RATIOS))
+    csv = lambda v: ",".join(map(str, v))  # noqa: E731
+    p.add_argument("--gate-confidences", type=_some_floats, default=list(DEFAULT_GATE_CONFIDENCES),
+                   help=f"lookup gate: top PDM probabilities above which the PDM may keep its own draft over a "
+                        f"context copy, to try (default {csv(DEFAULT_GATE_CONFIDENCES)})")
+    p.add_argument("--gate-ratios", type=_some_floats, default=list(DEFAULT_GATE_RATIOS),
+                   help=f"lookup gate: it keeps it when the copy's PDM probability is under RATIO times the top "
+                        f"one; ratios to try (default {csv(DEFAULT_GATE_RATIOS)})")
     p.add_argument("--copy-boosts", type=_floats, default=list(DEFAULT_COPY_BOOSTS),
-                   help="logit boosts of a copied token to try for sampled decoding (empty: keep one-hot copies)")
-    p.add_argument("--threads", type=thread_count, default=0)
+                   help=f"logit boosts of a copied token to try for sampled decoding (default "
+                        f"{csv(DEFAULT_COPY_BOOSTS)}; empty: keep one-hot copies)")
+    p.add_argument("--threads", type=thread_count, default=0, help="CPU threads (default 0: torch's default)")
     p.add_argument("--write", action="store_true",
-                   help="store the best scale (and lookup gate) in the head's draft_config.json")
+                   help="store the best scale, lookup gate and copy boost in the head's draft_config.json")
     p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
     for k in ("temperatures", "scales", "gate_confidences", "gate_ratios", "copy_boosts"):  # as calibrate() reads them
@@ -337,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
 
         if not a.val:
             raise SpdConfigError("pass held-out data with --val FILE (not the head's training data)")
+        gate_flags = [f for f, k, d in (("--gate-confidences", "gate_confidences", DEFAULT_GATE_CONFIDENCES),
+                                        ("--gate-ratios", "gate_ratios", DEFAULT_GATE_RATIOS),
+                                        ("--copy-boosts", "copy_boosts", DEFAULT_COPY_BOOSTS))
+                      if getattr(a, k) != _unique(list(d))]
+        if a.lookup == 0 and gate_flags:  # refused rather than ignored, as everywhere
+            one = len(gate_flags) == 1
+            raise SpdConfigError(f"{' and '.join(gate_flags)} {'tunes' if one else 'tune'} the lookup gate and copy "
+                                 f"boost, which --lookup 0 skips; drop {'it' if one else 'them'}, or pass --lookup K > 0")
         check_output(a.out, "--out")
         if a.write:
             _check_writable(a.head)

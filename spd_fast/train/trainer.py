@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import random
 import shutil
 import time
