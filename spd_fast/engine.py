@@ -272,7 +272,14 @@ class SPDEngine:
         def metrics(committed: int) -> None:
             self.last_metrics = metrics_from(int(st.cycles), int(st.verifications), int(st.accepts),
                                              committed, self.n, decode_time, t1 - t0)
+        # a token is committed at least every n + 1 cycles (a reject refills n stages): a decode that runs more cycles
+        # than max_new_tokens can need is not advancing (a bug), and raises instead of looping for ever
+        bound = (self.n + 1) * (max_new_tokens + 1)
         while not com.stop:
+            if int(st.cycles) >= bound:
+                raise RuntimeError(f"the decode ran {int(st.cycles)} cycles for {com.committed} of {max_new_tokens} "
+                                   "tokens, more than it can need: its state stopped advancing; this is a bug, "
+                                   "please report it (method='ar' decodes meanwhile)")
             tc = time.perf_counter()
             self.cycle(st, params, generator)
             wait_for_device(st.tokens.device)  # the cycle's kernels, not only their launches

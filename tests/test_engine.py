@@ -368,3 +368,55 @@ def test_the_engine_reads_the_anchors_its_draft_head_was_trained_on(tiny_checkpo
     assert SPDEngine(m, ReferenceDrafter([1, 2], m.cfg.vocab_size), b).anchors == tuple(b)  # no head: the boundaries
     # a timing drafter runs its head through a PdmDrafter (bench/gpu_check.py): the same anchors
     assert SPDEngine(m, ReferenceDrafter([1, 2], m.cfg.vocab_size, head=head), b).anchors == (0, 1, 5, 6)
+
+
+def test_pdm_draft_reads_every_slot_up_to_its_position(tiny_checkpoint):
+    """The real PdmDrafter's draft logits at every cycle, across the 64-slot KV block boundary, equal a
+    recomputation that reads the whole PDM cache (a kv_bound one position short passed every drafter test, all
+    below position 64)."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = (0, 2, 4, 6)
+    head = random_head(m, b, layers=2)
+    seen = []
+    orig_logits = head.draft_logits
+
+    class Checked(PdmDrafter):
+        def draft(self, engine, st, params, generator):
+            out = super().draft(engine, st, params, generator)
+            got = seen[-1]
+            p_new, start = int(st.p_new), int(st.pdm_len)
+            pos = torch.arange(start, p_new + 1)
+            depth = torch.where(pos < st.p_old, engine.n, st.p_new - pos)
+            g = head.aggregate(st.anchors[start:p_new + 1], engine.depth_type[depth])
+            h = head.tower(g[None], pos[None], head.max_len)  # every slot; the mask hides stale ones
+            torch.testing.assert_close(got, orig_logits(h[0, -1]), atol=1e-5, rtol=1e-5, msg=f"p_new={p_new}")
+            self.checked.append(p_new)
+            return out
+
+    def rec(h):
+        out = orig_logits(h)
+        seen.append(out)
+        return out
+    head.draft_logits = rec
+    d = Checked(head)
+    d.checked = []
+    prompt = [(7 * i) % 90 + 3 for i in range(60)]
+    SPDEngine(m, d, b).run(prompt, 12, SamplingParams(), [])
+    assert any(p % 64 == 0 for p in d.checked), d.checked
+
+
+def test_a_decode_that_stops_advancing_raises_instead_of_looping(tiny_checkpoint, monkeypatch):
+    """A cycle that commits nothing (a bug) made the sequential executor loop for ever; like the pipelined one it
+    now raises once it has run more cycles than max_new_tokens can need."""
+    m = tiny_target(tiny_checkpoint("llama"))
+    b = (0, 3, 6)
+    eng = SPDEngine(m, PdmDrafter(random_head(m, b)), b)
+
+    def stuck(st, params, generator):
+        with torch.inference_mode():  # the state's tensors are inference tensors
+            st.cycles += 1  # counts, commits nothing
+
+    monkeypatch.setattr(eng, "cycle", stuck)
+    with pytest.raises(RuntimeError, match=r"ran 18 cycles for 1 of 5 tokens, more than it can need: its state "
+                                           r"stopped advancing; this is a bug"):
+        eng.run([5, 6, 7], 5, GREEDY, [])

@@ -1759,3 +1759,21 @@ def test_a_streams_end_state_is_its_own_when_a_generation_ran_after_its_last_chu
     assert list(it) == []
     assert eng.last_finish_reason == "length"
     assert eng.last_metrics["new_tokens"] == len(eng.last_token_ids) == 12 and eng.last_token_ids == ref.token_ids
+
+
+def test_a_change_in_the_last_mib_of_a_large_gguf_changes_its_key(tmp_path):
+    """The conversion key reads a GGUF's first and last MiB; the other test's file is under 1 MiB, so the tail read
+    went untested. A 3 MiB file whose last byte changes (same size, mtime restored) gets a new key."""
+    import os
+
+    from spd_fast import store
+
+    f = tmp_path / "m.gguf"
+    data = bytearray(os.urandom(3 << 20))
+    f.write_bytes(bytes(data))
+    st = f.stat()
+    key = store._gguf_key(f)
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store._gguf_key(f) != key

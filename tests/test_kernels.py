@@ -820,3 +820,11 @@ def test_the_fused_decode_attention_takes_int32_positions_as_the_unfused_path_do
     with torch.inference_mode():
         for pos in (torch.arange(3)[None], torch.arange(3, dtype=torch.int32)[None]):
             torch.testing.assert_close(m(ids, pos), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_without_mass_returns_an_index_inside_the_row():
+    """A row without mass (every weight 0) gives an index inside the row, as the Triton and C++ ops do, not V."""
+    from spd_fast.ops_explicit import sample_inverse_cdf
+
+    assert int(sample_inverse_cdf(torch.zeros(3), torch.tensor(0.5))) == 0
+    assert sample_inverse_cdf(torch.zeros(2, 5), torch.tensor([0.0, 0.9])).tolist() == [0, 0]

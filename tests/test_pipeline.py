@@ -312,7 +312,8 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     assert "== gpu_check summary ==" in r.stdout and "| tiny |" in r.stdout
     # the imposed acceptance defaults to the measured one of the shipped head for that n (not a stale constant)
     rows = json.loads(open("bench/results/acceptance.json").read())["rows"]
-    shipped = [x["acceptance_rate"] for x in rows if x["n"] == 2 and x["temperature"] == 0 and x["category"] == "overall"]
+    shipped = [x["acceptance_rate"] for x in rows
+               if x["n"] == 2 and x["temperature"] == 0 and x["category"] == "overall"]
     assert rep["meta"]["acceptance_imposed"] == {"2": shipped[0]} and spd["acceptance_imposed"] == shipped[0]
     # and the timed PDM has the shipped heads' depth (a 2-layer one undercounted drafting), their anchors at the
     # default model's shape
@@ -751,3 +752,26 @@ def test_graphs_are_captured_on_a_stream_of_the_models_device(monkeypatch):
     s1 = pipeline.capture_stream(torch.device("cuda:1"))
     assert s0 is pipeline.capture_stream(torch.device("cuda", 0)) and s1 is pipeline.capture_stream(torch.device("cuda"))
     assert s0 is not s1 and made == [torch.device("cuda:0"), torch.device("cuda:1")]
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_pipelined_pdm_cache_equals_a_fresh_prefill(tiny_checkpoint, lookup):
+    """After a pipelined run the PDM cache holds exactly the depth-n rows of the committed positions, as a fresh
+    prefill of them computes (the sequential executor's test_rollback check; an off-by-one that kept a
+    depth-(n-1) row passed every pipeline test: random heads are almost always rejected)."""
+    path = tiny_checkpoint("llama")
+    m = tiny_target(path)
+    b = (0, 2, 4, 6)
+    head = random_head(m, b, layers=2)
+    pipe = PipelinedEngine(SPDEngine(m, PdmDrafter(head, lookup), b), "simulated")
+    pipe.run([11, 12, 13, 14], 12, SamplingParams(), [])
+    st = pipe.last_state
+    p_old, pl = int(st.p_new) - int(st.fill) + 1, int(st.pdm_len)
+    seq = st.tokens[:p_old].tolist()
+    fresh = tiny_target(path)
+    fresh_head = random_head(fresh, b, layers=2)
+    SPDEngine(fresh, PdmDrafter(fresh_head), b).start(seq, SamplingParams(), None)
+    assert pl > 6
+    for la, lb in zip(head.layers, fresh_head.layers):
+        torch.testing.assert_close(la.attn.k_cache[0, :, :pl], lb.attn.k_cache[0, :, :pl], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(la.attn.v_cache[0, :, :pl], lb.attn.v_cache[0, :, :pl], atol=1e-5, rtol=1e-5)

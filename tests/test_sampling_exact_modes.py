@@ -20,8 +20,8 @@ from spd_fast.sampling import SamplingParams, probs_from_logits
 
 P_MIN = 1e-3
 L = 3                      # new tokens compared jointly
-REP = [6, 7, 6, 7, 6]      # lookup=1 copies 7 after 6 (outside a draft vocabulary of 0..4)
-SUB5 = [0, 1, 2, 3, 4]
+REP = [6, 7, 6, 7, 6]      # lookup=1 copies 7 after 6 (outside a draft vocabulary of {0..4})
+SUB5 = [4, 0, 3, 1, 2]    # a draft vocabulary whose rows are not its token ids (a row-for-id slip shows)
 STAGES = {1: (0, 4), 2: (0, 2, 4), 3: (0, 1, 2, 4), 4: (0, 1, 2, 3, 4)}
 
 

@@ -270,3 +270,31 @@ def test_top_p_keeps_or_drops_a_run_of_tied_logits_whole():
     for p in (0.2, 0.5, 0.9):
         assert torch.equal(probs_from_logits(x, SamplingParams(temperature=0.7, top_p=p)),
                            processed_probs(x, 0.7, 0, p))
+
+
+def test_sampled_draft_is_a_token_id_with_the_law_of_q():
+    """With a permuted, non-prefix draft vocabulary the sampled draft is a vocabulary token with q > 0, drawn with
+    q's law (every other test's vocabulary was 0..V_d-1, where a draft-vocabulary row and its token id coincide)."""
+    from spd_fast.ops import draft_sample
+
+    vocab = torch.tensor([9, 3, 7, 0])
+    logits = torch.tensor([1.0, 0.0, 0.5, -1.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(10)
+    for _ in range(4000):
+        tok, q = draft_sample(logits, vocab, 10, SamplingParams(temperature=1.0), g)
+        assert q[tok] > 0, int(tok)
+        counts[tok] += 1
+    want = torch.softmax(logits, -1)
+    assert chisquare(counts[vocab].numpy(), (4000 * want).numpy()).pvalue > 1e-3
+
+
+def test_top_p_equal_to_the_mass_before_a_token_drops_it():
+    """A token survives top-p iff the mass strictly before it is < top_p: a top_p exactly equal to the top token's
+    mass drops the rest."""
+    from spd_fast.sampling import processed_probs
+
+    logits = torch.tensor([0.0, -1.0, -1.0])
+    p0 = torch.softmax(logits.double(), -1)[0].item()  # the fp64 mass top_p_drop computes for token 0
+    assert processed_probs(logits, 1.0, 0, p0).tolist() == [1.0, 0.0, 0.0]
+    assert processed_probs(logits, 1.0, 0, p0 * (1 + 1e-12))[1] > 0  # just above it keeps the tied run

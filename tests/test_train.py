@@ -1517,3 +1517,17 @@ def test_a_half_precision_target_trains_from_the_feature_cache(tiny_checkpoint, 
     steps = [json.loads(x) for x in logs if x.startswith("{") and '"loss"' in x]
     assert [d["step"] for d in steps] == [1, 2] and all(math.isfinite(d["loss"]) for d in steps), logs
     assert (tmp_path / "run" / "head" / "draft_config.json").is_file()
+
+
+def test_shared_types_sit_at_their_smallest_depth():
+    """Spec 5.3 places each type at its smallest depth; brute_force_mask shares min_depth_of_type, so the rule is
+    pinned here on its own (taking the largest depth passed every mask test)."""
+    from spd_fast.train.mask import min_depth_of_type
+
+    assert min_depth_of_type([0, 0, 1, 2, 3]) == [0, 2, 3, 4]       # shipped n=4 heads: anchors 0,10,20,30
+    assert min_depth_of_type([0, 1, 1, 2]) == [0, 1, 3]
+    # a type-0 query (depth 0) at t=1 with full fill n=4 sees key t=0 at depth 1 -> type 0 (depth_type[1] = 0)
+    m = structured_mask(2, [0, 0, 1, 2, 3]).view(4, 2, 4, 2)
+    assert m[0, 1, 0, 0] and not m[0, 1, 1, 0]
+    # a type-1 query (d_1 = 2) at t=1 sees key t=0 at depth 3 -> type 2
+    assert m[1, 1, 2, 0] and not m[1, 1, 3, 0]

@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.lookup == 0 and gate_flags:  # refused rather than ignored, as everywhere
             one = len(gate_flags) == 1
             raise SpdConfigError(f"{' and '.join(gate_flags)} {'tunes' if one else 'tune'} the lookup gate and copy "
-                                 f"boost, which --lookup 0 skips; drop {'it' if one else 'them'}, or pass --lookup K > 0")
+                                 f"boost, which --lookup 0 skips; drop {'it' if one else 'them'}, or pass "
+                                 f"--lookup K > 0")
         check_output(a.out, "--out")
         if a.write:
             _check_writable(a.head)
