@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/cycle.json")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    from spd_fast.evaluate import provenance
+    made_by = provenance()  # the code that runs, read before a commit landing mid-run could move HEAD
     rows = []
     for n in [int(x) for x in a.num_stages.split(",")]:
         with warnings.catch_warnings():
@@ -65,10 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                "equivalent_accept_length": n * tpc}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    from spd_fast.evaluate import provenance
     from spd_fast.runtime import cpu_name
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_name(), "threads": a.threads,
-            "new_tokens": a.new_tokens, "torch": torch.__version__, "prompts": len(PROMPTS), **provenance()}
+            "new_tokens": a.new_tokens, "torch": torch.__version__, "prompts": len(PROMPTS), **made_by}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print("| n | AR step ms | cycle ms | stages ms | slowest stage | PDM ms | verify ms | overhead ms | overhead/AR | tok/cycle | equiv. len |")

@@ -416,7 +416,10 @@ def measured_acceptance(ns: list[int], paths: tuple[Path, ...] = ACCEPTANCE_FILE
             for r in json.loads(path.read_text())["rows"]:
                 if r["temperature"] == 0 and r["category"] == "overall":
                     found.setdefault(r["n"], r["acceptance_rate"])
-        return {n: found.get(n, found[3]) for n in ns}
+        missing = [n for n in ns if n not in found]
+        if missing and 3 not in found:
+            raise KeyError(f"no overall T=0 row for n={missing} nor n=3")
+        return {n: found[n] if n in found else found[3] for n in ns}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"gpu_check: cannot read the measured acceptance from {', '.join(map(str, paths))} "
                          f"({type(e).__name__}: {e}); pass --acceptance P") from None

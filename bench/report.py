@@ -180,8 +180,13 @@ def speed_section(found: dict[str, Any], out: Path) -> list[str]:
              "| method | n | tokens/s | vs AR |", "|---|---|---|---|"]
     if ar is not None:
         lines.append(f"| AR | - | {ar:.1f} | 1.00x |")
+    # bench.json's own ratio, the median of its back-to-back AR/SPD pairs (older files have none: pooled rates)
+    paired = {r["n"]: r["speedup_vs_ar"] for r in found.get("bench", {}).get("rows", [])
+              if r.get("method") == "spd" and "pairs" in r} if source.startswith("bench.json") else {}
     for n, v in spd:
-        lines.append(f"| SPD | {n} | {v:.1f} | {f'{v / ar:.2f}x' if ar else 'no AR in this run'} |")
+        ratio = paired[n] if n in paired else (v / ar if ar else None)
+        cell = "-" if n in paired and ratio is None else f"{ratio:.2f}x" if ratio is not None else "no AR in this run"
+        lines.append(f"| SPD | {n} | {v:.1f} | {cell} |")
     return lines
 
 

@@ -405,8 +405,8 @@ class Engine:
         # the whole list decoded once, so the chunks always join to generate()'s text
         full = self.target.decode(toks)
         finished, self.last_metrics = out["last"]  # this stream's own, whatever ran on the engine since
-        # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage), set
-        # before the held-back text goes out, so a caller that stops at the text's end has them too
+        # how the stream ended, as GenerationOutput.finish_reason says it, and its tokens (for a server's usage); they
+        # are set once the stream is exhausted (before a held-back end goes out)
         cut = checker.cut(full) if checker is not None else None
         self.last_finish_reason = "eos" if finished else "stop" if cut is not None else "length"
         self.last_token_ids = toks

@@ -79,6 +79,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     from .sampling import SamplingParams
 
     SamplingParams(args.temperature)  # fail before loading the model
+    made_by = provenance()  # the code that runs, read before a commit landing mid-run could move HEAD
     if args.prompt and args.prompts is not None:
         from .config import SpdConfigError
 
@@ -150,7 +151,7 @@ def run_bench(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
             "kernels_run": kernel_backend(args.device),
             "cuda_graphs": args.placement == "streams" and not getattr(args, "no_cuda_graphs", False),  # as run
             "model": args.model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "placement": args.placement,
-            "lookup": args.lookup, "max_len": args.max_len, **provenance()}
+            "lookup": args.lookup, "max_len": args.max_len, **made_by}
     return {"meta": meta, "rows": rows}
 
 

@@ -156,6 +156,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
     max_len: the KV cache length (prompt + max_new_tokens + n + 1 must fit). on_warning(text): where spd_fast's own
     warnings at load go (e.g. "no shipped draft head ... random head"); default: re-issued with `warnings.warn`.
     Greedy SPD must reproduce AR token for token; a mismatch raises RuntimeError."""
+    made_by = provenance()  # the code that runs, read before a commit landing mid-run could move HEAD
     import spd_fast
 
     if not num_stages:
@@ -237,7 +238,7 @@ def evaluate_acceptance(num_stages: Sequence[int] = (3,), temperatures: Sequence
             "limit": limit, "categories": list(categories), "seed": seed, "lookup": lookup,
             "model": model or DEFAULT_MODEL_NAME, "model_fingerprint": fingerprint, "dtype": dtype_name(dtype),
             "device": str(device), "placement": placement, "kernels": kernel_backend(),
-            "kernels_run": kernel_backend(device), "cuda_graphs": cuda_graphs, "max_len": max_len, **provenance()}
+            "kernels_run": kernel_backend(device), "cuda_graphs": cuda_graphs, "max_len": max_len, **made_by}
     return {"meta": meta, "rows": rows}
 
 

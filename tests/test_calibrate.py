@@ -147,6 +147,7 @@ def test_cli_writes_the_scale_the_drafter_then_uses(tiny_checkpoint, tmp_path, c
             "K > 0") in capsys.readouterr().err
     assert main(val_args + ["--gate-ratios", "0.5", "--gate-confidences", "0.9"]) == 2
     assert "--gate-confidences and --gate-ratios tune the lookup gate" in capsys.readouterr().err
+    assert main(val_args + ["--gate-ratios", "0.05,0.025,0.1,0.25,0.5,1.0"]) == 0  # the default grid, reordered
     cfg = json.loads((tmp_path / "h" / "draft_config.json").read_text())
     (tmp_path / "h" / "draft_config.json").write_text(json.dumps(dict(cfg, draft_temperature_scale=0)))
     with pytest.raises(DraftMismatchError, match=r"draft_temperature_scale 0 is out of range.*\[0.05, 20.0\]"):

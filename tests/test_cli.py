@@ -881,6 +881,22 @@ def test_report_speed_table_without_an_ar_baseline(tmp_path):
     assert "| SPD | 2 | 7.0 | no AR in this run |" in text and "nan" not in text
 
 
+def test_report_takes_benchs_paired_ratio(tmp_path):
+    """REPORT.md's vs-AR column for bench.json is bench's own median of back-to-back pairs (it divided the pooled
+    rates, 0.43x, where bench printed 0.50x); a bench without pairs shows -."""
+    _synthetic_results(tmp_path)
+    rows = [{"method": "ar", "n": 1, "tokens_per_s": 7.0, "ms_per_token": 142.9, "decoded_tokens": 21},
+            {"method": "spd", "n": 2, "tokens_per_s": 3.0, "ms_per_token": 333.3, "acceptance_rate": 0.5,
+             "tokens_per_cycle": 0.5, "equivalent_accept_length": 1.0, "ms_per_cycle": 10.0, "speedup_vs_ar": 0.5,
+             "pairs": 3, "decoded_tokens": 21},
+            {"method": "spd", "n": 3, "tokens_per_s": 3.5, "ms_per_token": 285.7, "acceptance_rate": 0.5,
+             "tokens_per_cycle": 0.5, "equivalent_accept_length": 1.5, "ms_per_cycle": 10.0, "speedup_vs_ar": None,
+             "pairs": 0, "decoded_tokens": 0}]
+    (tmp_path / "bench.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    text = _report_module().write_report(tmp_path, tmp_path / "out").read_text()
+    assert "| SPD | 2 | 3.0 | 0.50x |" in text and "| SPD | 3 | 3.5 | - |" in text, text
+
+
 def test_report_with_no_results(tmp_path):
     assert _report_module().main(["--results", str(tmp_path)]) == 0
     text = (tmp_path / "REPORT.md").read_text()

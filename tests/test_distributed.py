@@ -683,9 +683,16 @@ def test_distributed_cli_refuses_a_head_seed_for_a_trained_head(tmp_path, tiny_c
     job = Job(tmp_path, 2, ["--model", path, "--draft", str(tmp_path / "h"), "--threads", "1", "--seed-head", "5",
                             "--requests", str(req)])
     job.wait(120)
+    for r in (0, 1):  # a configuration problem: the same message and status 2 on every rank
+        assert job.procs[r].returncode == 2, job.stderr(r)[-2000:]
+        assert ("--seed-head 5 seeds a random head, but this engine loads the head " in job.stderr(r)
+                and "drop --seed-head" in job.stderr(r) and "--draft random" in job.stderr(r)), job.stderr(r)[-2000:]
+    # --seed-head 0 names the default, and the job itself refuses it for a trained head
+    job = Job(tmp_path, 2, ["--model", path, "--draft", str(tmp_path / "h"), "--threads", "1", "--seed-head", "0",
+                            "--requests", str(req)])
+    job.wait(120)
     assert job.procs[0].returncode == 2, job.stderr(0)[-2000:]
     assert "--seed-head seeds a random head, but this run uses " in job.stderr(0), job.stderr(0)[-2000:]
-    assert job.procs[1].returncode == 0, job.stderr(1)[-2000:]
 
 
 def test_rank0_plan_names_a_malformed_draft_config(tiny_checkpoint, tmp_path):

@@ -367,6 +367,9 @@ def test_gpu_check_acceptance_file_errors(tmp_path):
     g.write_text('{"rows": [{"n": 5, "temperature": 0.0, "category": "overall", "acceptance_rate": 0.4}, '
                  '{"n": 5, "temperature": 0.7, "category": "overall", "acceptance_rate": 0.3}]}')
     assert gc.measured_acceptance([2, 3, 5], (f, g)) == {2: 0.5, 3: 0.5, 5: 0.4}  # n=2: none recorded, n=3's
+    assert gc.measured_acceptance([5], (g,)) == {5: 0.4}  # an n=3 row is needed only for an n with none
+    with pytest.raises(SystemExit, match=r"no overall T=0 row for n=\[2\] nor n=3"):
+        gc.measured_acceptance([2, 5], (g,))
     for text in ('{"rows": []}', "not json"):
         f.write_text(text)
         with pytest.raises(SystemExit, match="cannot read the measured acceptance .* pass --acceptance P"):

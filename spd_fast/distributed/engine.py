@@ -19,8 +19,8 @@ import torch
 
 from ..api import _plain_numbers  # the api imports this package lazily: no cycle
 from ..config import (DEFAULT_LOOKUP, ModelConfig, RandomHeadWarning, SpdConfigError, check_layer_indices,
-                      check_lookup, check_seed, check_stage_count, uniform_boundaries, validate_boundaries,
-                      validate_num_stages)
+                      check_head_seed, check_lookup, check_seed, check_stage_count, uniform_boundaries,
+                      validate_boundaries, validate_num_stages)
 from ..pdm import DraftConfig, DraftHead, DraftMismatchError, init_from_target, load_draft, read_draft_config
 from ..runtime import Prompt, Target, _eos_ids, parse_dtype
 from ..sampling import SamplingParams, make_generator
@@ -242,6 +242,7 @@ def load_distributed(model: str | os.PathLike | None = None, draft: str | os.Pat
     validate_num_stages(cfg.num_layers, W)
     info = broadcast_from_rank0(ctx, "choosing the draft head", lambda: _plan_on_rank0(
         path, cfg, tdtype, W, bnd, anchors, draft, draft_layers, draft_vocab_size))
+    check_head_seed(seed, info["draft_source"])  # every rank holds the same info: all refuse it at once
     plan = StagePlan(info["boundaries"], info["anchors"])
 
     def build() -> tuple:

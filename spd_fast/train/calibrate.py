@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         gate_flags = [f for f, k, d in (("--gate-confidences", "gate_confidences", DEFAULT_GATE_CONFIDENCES),
                                         ("--gate-ratios", "gate_ratios", DEFAULT_GATE_RATIOS),
                                         ("--copy-boosts", "copy_boosts", DEFAULT_COPY_BOOSTS))
-                      if getattr(a, k) != _unique(list(d))]
+                      if set(getattr(a, k)) != set(d)]  # the default grid in any order asks for nothing new
         if a.lookup == 0 and gate_flags:  # refused rather than ignored, as everywhere
             one = len(gate_flags) == 1
             raise SpdConfigError(f"{' and '.join(gate_flags)} {'tunes' if one else 'tune'} the lookup gate and copy "
