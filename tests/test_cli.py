@@ -223,6 +223,11 @@ def test_eval_rows_pool_the_answers_counts(monkeypatch):
     assert chat["answer_repeat_share"] == pytest.approx((2 + 2) / (6 + 3))  # two chat prompts: answers 1 and 2
     assert chat["acceptance_rate"] == pytest.approx((2 + 6) / (4 + 6)) and chat["mean_new_tokens"] == 7.5
     assert overall["answer_repeat_share"] == chat["answer_repeat_share"]
+    # decoded tokens exclude each answer's prefill token: (9 - 1) + (6 - 1) over (4 + 1) + (6 + 1) cycles, and the
+    # equivalent accept length is n times tokens per cycle
+    assert chat["tokens_per_cycle"] == pytest.approx(13 / 12)
+    assert chat["equivalent_accept_length"] == pytest.approx(3 * 13 / 12)
+    assert chat["decoded_tokens"] == 13 and chat["cycles"] == 12
 
 
 def test_repeat_share_against_brute_force():
@@ -1217,36 +1222,3 @@ def test_importing_the_package_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
-
-
-def test_eval_rows_pool_tokens_per_cycle(monkeypatch):
-    """tokens_per_cycle and equivalent_accept_length of the eval rows, by hand: decoded tokens exclude each
-    answer's prefill token, and the equivalent accept length is n times tokens per cycle."""
-    from types import SimpleNamespace
-
-    import spd_fast
-    from spd_fast.evaluate import evaluate_acceptance
-
-    answers = iter([[1, 2, 3, 4, 1, 2, 3, 4, 1], [5, 5, 5, 5, 5, 5], [7, 8, 9]] * 2)
-    counts = iter([(4, 2), (6, 6), (2, 0)] * 2)
-
-    class Fake:
-        draft_source, draft_digest, max_len = "fake", "fake", 2048
-        target = SimpleNamespace(cfg=SimpleNamespace(num_layers=30, max_position_embeddings=8192), fingerprint="f",
-                                 tokenizer=SimpleNamespace(chat_template="{{ messages }}"), encode=lambda msgs: [1] * 9)
-
-        def _extra_slots(self, method):
-            return 0
-
-        def generate(self, msgs, max_new_tokens, temperature, seed, method):
-            ids, (ver, acc) = next(answers), next(counts)
-            return SimpleNamespace(token_ids=ids, metrics={"verifications": ver, "accepted": acc, "cycles": ver + 1,
-                                                          "new_tokens": len(ids), "decode_seconds": 0.1})
-
-    monkeypatch.setattr(spd_fast, "load", lambda **kw: Fake())
-    res = evaluate_acceptance((3,), (0.0,), 2, 9, categories=("chat",), with_ar=False, progress=False)
-    chat, overall = res["rows"]
-    # decoded tokens exclude each answer's prefill token: (9 - 1) + (6 - 1) over (4 + 1) + (6 + 1) cycles
-    assert chat["tokens_per_cycle"] == pytest.approx(13 / 12)
-    assert chat["equivalent_accept_length"] == pytest.approx(3 * 13 / 12)
-    assert chat["decoded_tokens"] == 13 and chat["cycles"] == 12
