@@ -184,8 +184,10 @@ def speed_section(found: dict[str, Any], out: Path) -> list[str]:
     paired = {r["n"]: r["speedup_vs_ar"] for r in found.get("bench", {}).get("rows", [])
               if r.get("method") == "spd" and "pairs" in r} if source.startswith("bench.json") else {}
     for n, v in spd:
-        ratio = paired[n] if n in paired else (v / ar if ar else None)
-        cell = "-" if n in paired and ratio is None else f"{ratio:.2f}x" if ratio is not None else "no AR in this run"
+        if n in paired:
+            cell = "-" if paired[n] is None else f"{paired[n]:.2f}x"
+        else:
+            cell = f"{v / ar:.2f}x" if ar else "no AR in this run"
         lines.append(f"| SPD | {n} | {v:.1f} | {cell} |")
     return lines
 

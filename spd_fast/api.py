@@ -549,8 +549,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         head = load_draft(draft, net, target.fingerprint, num_stages,
                           b if boundaries is not None and not shipped else None, net.dtype, net.device)
         head.dcfg.check_requested(anchors, draft_layers)
-        check_head_seed(seed, source)
         if shipped:
+            check_head_seed(seed, source)  # a head path was checked before the model loaded
             head.dcfg = head.dcfg.at_split(b if boundaries is not None else None, Path(draft).name, stacklevel=4)
         b = head.dcfg.boundaries
     from .packed import pack_draft

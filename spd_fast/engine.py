@@ -274,14 +274,15 @@ class SPDEngine:
                                              committed, self.n, decode_time, t1 - t0)
         # a token is committed at least every n + 1 cycles (a reject refills n stages): a decode that runs more cycles
         # than max_new_tokens can need is not advancing (a bug), and raises instead of looping for ever
-        bound = (self.n + 1) * (max_new_tokens + 1)
+        bound, ran = (self.n + 1) * (max_new_tokens + 1), 0  # counted on the host: no device read for it
         while not com.stop:
-            if int(st.cycles) >= bound:
-                raise RuntimeError(f"the decode ran {int(st.cycles)} cycles for {com.committed} of {max_new_tokens} "
+            if ran >= bound:
+                raise RuntimeError(f"the decode ran {ran} cycles for {com.committed} of {max_new_tokens} "
                                    "tokens, more than it can need: its state stopped advancing; this is a bug, "
                                    "please report it (method='ar' decodes meanwhile)")
             tc = time.perf_counter()
             self.cycle(st, params, generator)
+            ran += 1
             wait_for_device(st.tokens.device)  # the cycle's kernels, not only their launches
             decode_time += time.perf_counter() - tc
             yield from com.take(st.tokens, int(st.p_new) - int(st.fill) + 1, metrics)  # <= 1 per cycle
